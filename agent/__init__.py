@@ -1,0 +1,1 @@
+"""The node agent: supervises a node's workers and GPUs."""

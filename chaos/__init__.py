@@ -1,0 +1,1 @@
+"""Fault injection against a real run, and the survival report."""

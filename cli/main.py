@@ -1,0 +1,43 @@
+"""Entry point of the ``stalwart`` command.
+
+Each subcommand module exposes ``register(subparsers)``; this module only wires them up.
+Commands are thin: parse arguments, call one function, print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from stalwart.cli import version_cmd
+
+# Subcommand modules, each with ``register(subparsers) -> None``. Later features append here.
+_COMMANDS = [version_cmd]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stalwart",
+        description="Fault-tolerant elastic training for PyTorch and DeepSpeed.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in _COMMANDS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

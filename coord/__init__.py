@@ -1,0 +1,1 @@
+"""The etcd adapter: the only code in stalwart that talks to etcd."""

@@ -1,0 +1,1 @@
+"""The rendezvous daemon: decides which nodes form each round."""

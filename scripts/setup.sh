@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Sets up everything stalwart needs on a fresh Debian machine: etcd, a virtual
+# environment in .venv, the CPU build of torch 2.13.0, then stalwart itself.
+# Safe to run again: each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v etcd >/dev/null 2>&1; then
+    echo "setup: installing etcd (Debian packages etcd-server, etcd-client)"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client >/dev/null
+fi
+# The Debian package starts a system etcd on the default ports; stalwart's tests use
+# their own on free ports, so it is harmless, but it is not needed either.
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv with $($PY --version)"
+    "$PY" -m venv .venv
+fi
+# torch first, pinned: an unpinned torch (asked for by deepspeed) would pull a CUDA build.
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+    echo "setup: installing torch==2.13.0"
+    .venv/bin/pip install -q torch==2.13.0
+fi
+if ! .venv/bin/python -c 'import stalwart.cli, pytest_timeout' 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.stalwart-installed ] || [ constraints.txt -nt .venv/.stalwart-installed ]; then
+    echo "setup: installing stalwart and its dependencies"
+    .venv/bin/pip install -q -c constraints.txt -e '.[test]'
+    touch .venv/.stalwart-installed
+fi
+echo "setup: ready ($(.venv/bin/stalwart version --short))"

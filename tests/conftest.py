@@ -1,0 +1,1 @@
+"""Shared fixtures. etcd fixtures start real etcd servers on free loopback ports."""

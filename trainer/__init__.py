@@ -1,0 +1,1 @@
+"""The DeepSpeed integration that training scripts import."""
