@@ -1,0 +1,51 @@
+"""Errors of the etcd adapter. Every client exception is translated into one of these.
+
+Callers act on the type: retry later (``EtcdUnavailable``/``EtcdTimeout``), fix the
+configuration (``EtcdConfigError``, ``EtcdAuthError``, ``EtcdTLSError``), re-read state
+(``CompactedError``), step down (``NotLeader``, ``LeaseLost``).
+"""
+
+from __future__ import annotations
+
+
+class CoordError(Exception):
+    """Base of every error raised by ``stalwart.coord``."""
+
+
+class EtcdConfigError(CoordError, ValueError):
+    """The etcd settings are invalid (bad endpoint, missing or unreadable TLS file, ...)."""
+
+
+class EtcdUnavailable(CoordError, ConnectionError):
+    """No etcd endpoint answered before the call's deadline. The message names each endpoint and why."""
+
+
+class EtcdTimeout(EtcdUnavailable, TimeoutError):
+    """An endpoint was connected but the call did not finish before its deadline."""
+
+
+class EtcdTLSError(EtcdUnavailable):
+    """The TLS handshake with an endpoint failed (wrong CA, wrong or missing client certificate)."""
+
+
+class EtcdAuthError(CoordError, PermissionError):
+    """Authentication failed or the user lacks permission for the operation."""
+
+
+class CompactedError(CoordError):
+    """A watch asked for history that etcd has compacted away; re-read the state and watch again."""
+
+    def __init__(self, compact_revision: int, key: str) -> None:
+        super().__init__(
+            f"watch on {key!r}: revisions before {compact_revision} were compacted; re-read and watch again"
+        )
+        self.compact_revision = compact_revision
+        self.key = key
+
+
+class LeaseLost(CoordError):
+    """The lease expired or was revoked: every key bound to it is gone."""
+
+
+class NotLeader(CoordError):
+    """A write guarded by leadership was rejected: this process no longer leads."""

@@ -1,0 +1,217 @@
+"""Local etcd servers on loopback ports: for tests, the demo, chaos runs and benchmarks.
+
+Each member runs the system's ``etcd`` binary in its own process session, with its data in a
+directory of the caller's choosing, so a member can be SIGKILLed and restarted on the same
+data. Members die with the process that started them (parent-death signal), so a crashed test
+run leaves no etcd behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stalwart.coord.config import EtcdConfig
+from stalwart.coord.errors import CoordError
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    os.setsid()
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """Server-side TLS for a local cluster; ``client_cert_auth`` makes it mutual."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    client_cert_auth: bool = True
+
+
+@dataclass
+class Member:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    log_file: Path
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class LocalEtcd:
+    """A cluster of ``size`` etcd members on free loopback ports under ``workdir``."""
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        size: int = 1,
+        *,
+        tls: TLSFiles | None = None,
+        etcd_binary: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        binary = etcd_binary or shutil.which("etcd")
+        if not binary:
+            raise CoordError("etcd binary not found on PATH (Debian: apt-get install etcd-server)")
+        self.binary = binary
+        self.workdir = Path(workdir)
+        self.tls = tls
+        self.extra_args = extra_args
+        self.token = f"stalwart-{os.getpid()}-{free_port()}"
+        self.members = [
+            Member(
+                name=f"m{i}",
+                client_port=free_port(),
+                peer_port=free_port(),
+                data_dir=self.workdir / f"m{i}.etcd",
+                log_file=self.workdir / f"m{i}.log",
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def client_config(self, **overrides: object) -> EtcdConfig:
+        """An :class:`EtcdConfig` for this cluster (TLS files filled in when it uses TLS)."""
+        settings: dict[str, object] = {"endpoints": tuple(self.endpoints)}
+        if self.tls:
+            settings.update(ca_file=self.tls.ca_file)
+            if self.tls.client_cert_auth:
+                settings.update(cert_file=self.tls.cert_file, key_file=self.tls.key_file)
+        settings.update(overrides)
+        return EtcdConfig(**settings)  # type: ignore[arg-type]
+
+    def _args(self, m: Member) -> list[str]:
+        cluster = ",".join(f"{x.name}=http://127.0.0.1:{x.peer_port}" for x in self.members)
+        client_url = f"{self.scheme}://127.0.0.1:{m.client_port}"
+        args = [
+            self.binary,
+            "--name", m.name,
+            "--data-dir", str(m.data_dir),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", f"http://127.0.0.1:{m.peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{m.peer_port}",
+            "--initial-cluster", cluster,
+            "--initial-cluster-token", self.token,
+            "--initial-cluster-state", "new",
+            "--heartbeat-interval", "50",
+            "--election-timeout", "500",
+            "--logger", "zap",
+            "--log-outputs", str(m.log_file),
+            "--enable-pprof=false",
+        ]
+        if self.tls:
+            args += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file,
+                     "--trusted-ca-file", self.tls.ca_file]
+            if self.tls.client_cert_auth:
+                args.append("--client-cert-auth")
+        return args + list(self.extra_args)
+
+    def start(self, timeout: float = 20.0) -> LocalEtcd:
+        """Start every member and wait until the cluster has a leader."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for m in self.members:
+            self._spawn(m)
+        self.wait_ready(timeout)
+        return self
+
+    def _spawn(self, m: Member) -> None:
+        with open(m.log_file, "ab") as err:
+            m.proc = subprocess.Popen(
+                self._args(m), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                preexec_fn=_die_with_parent,
+            )
+
+    def wait_ready(self, timeout: float = 20.0, members: list[Member] | None = None) -> None:
+        """Wait until each running member answers and sees a leader."""
+        from stalwart.coord.client import EtcdClient  # here: keeps this module light to import
+
+        deadline = time.monotonic() + timeout
+        for m in members or [x for x in self.members if x.running]:
+            cfg = self.client_config(endpoints=(m.endpoint,), timeout=1.0, attempt_timeout=0.5)
+            with EtcdClient(cfg) as client:
+                while True:
+                    if m.proc is not None and m.proc.poll() is not None:
+                        raise CoordError(f"etcd {m.name} exited with {m.proc.returncode}; see {m.log_file}")
+                    try:
+                        if client.status()["leader"]:
+                            break
+                    except CoordError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise CoordError(f"etcd {m.name} at {m.endpoint} not ready within {timeout} s; see {m.log_file}")
+                    time.sleep(0.05)
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Kill one member (default SIGKILL, as a crash) and reap it."""
+        m = self.members[index]
+        if m.proc is not None and m.proc.poll() is None:
+            m.proc.send_signal(sig)
+            m.proc.wait(timeout=10)
+
+    def restart(self, index: int, timeout: float = 20.0) -> None:
+        """Start a stopped member again on its existing data."""
+        m = self.members[index]
+        if m.running:
+            raise CoordError(f"etcd {m.name} is still running")
+        self._spawn(m)
+        self.wait_ready(timeout, [m])
+
+    def stop(self) -> None:
+        """Stop every member (SIGTERM, then SIGKILL after 5 s). Safe to call twice."""
+        for m in self.members:
+            if m.proc is None:
+                continue
+            if m.proc.poll() is None:
+                m.proc.terminate()
+        for m in self.members:
+            if m.proc is None:
+                continue
+            try:
+                m.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                m.proc.kill()
+                m.proc.wait(timeout=5)
+
+    def __enter__(self) -> LocalEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,150 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HealthState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HEALTH_UNKNOWN: _ClassVar[HealthState]
+    HEALTH_OK: _ClassVar[HealthState]
+    HEALTH_TRANSIENT: _ClassVar[HealthState]
+    HEALTH_FATAL: _ClassVar[HealthState]
+HEALTH_UNKNOWN: HealthState
+HEALTH_OK: HealthState
+HEALTH_TRANSIENT: HealthState
+HEALTH_FATAL: HealthState
+
+class NodeRecord(_message.Message):
+    __slots__ = ("node_id", "address", "devices", "hostname", "versions", "registered_at", "cordoned")
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
+    CORDONED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    devices: int
+    hostname: str
+    versions: _containers.ScalarMap[str, str]
+    registered_at: float
+    cordoned: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., hostname: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., registered_at: _Optional[float] = ..., cordoned: _Optional[bool] = ...) -> None: ...
+
+class Finding(_message.Message):
+    __slots__ = ("source", "device", "state", "code", "detail")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    device: int
+    state: HealthState
+    code: str
+    detail: str
+    def __init__(self, source: _Optional[str] = ..., device: _Optional[int] = ..., state: _Optional[_Union[HealthState, str]] = ..., code: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class HealthRecord(_message.Message):
+    __slots__ = ("node_id", "state", "findings", "unreachable_peers", "checked_at")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_PEERS_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    state: HealthState
+    findings: _containers.RepeatedCompositeFieldContainer[Finding]
+    unreachable_peers: _containers.RepeatedScalarFieldContainer[str]
+    checked_at: float
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[HealthState, str]] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., unreachable_peers: _Optional[_Iterable[str]] = ..., checked_at: _Optional[float] = ...) -> None: ...
+
+class ProgressRecord(_message.Message):
+    __slots__ = ("node_id", "round", "step", "step_time", "reported_at")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    round: int
+    step: int
+    step_time: float
+    reported_at: float
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., step_time: _Optional[float] = ..., reported_at: _Optional[float] = ...) -> None: ...
+
+class LeaderRecord(_message.Message):
+    __slots__ = ("daemon_id", "address", "elected_at")
+    DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ELECTED_AT_FIELD_NUMBER: _ClassVar[int]
+    daemon_id: str
+    address: str
+    elected_at: float
+    def __init__(self, daemon_id: _Optional[str] = ..., address: _Optional[str] = ..., elected_at: _Optional[float] = ...) -> None: ...
+
+class RoundMember(_message.Message):
+    __slots__ = ("node_id", "node_rank", "first_rank", "local_world_size", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    node_rank: int
+    first_rank: int
+    local_world_size: int
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., first_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RoundRecord(_message.Message):
+    __slots__ = ("number", "members", "world_size", "master_addr", "master_port", "has_restore_step", "restore_step", "reason", "decided_by", "decided_at")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    HAS_RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_BY_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    members: _containers.RepeatedCompositeFieldContainer[RoundMember]
+    world_size: int
+    master_addr: str
+    master_port: int
+    has_restore_step: bool
+    restore_step: int
+    reason: str
+    decided_by: str
+    decided_at: float
+    def __init__(self, number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[RoundMember, _Mapping]]] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., has_restore_step: _Optional[bool] = ..., restore_step: _Optional[int] = ..., reason: _Optional[str] = ..., decided_by: _Optional[str] = ..., decided_at: _Optional[float] = ...) -> None: ...
+
+class CheckpointRecord(_message.Message):
+    __slots__ = ("step", "path", "manifest_digest", "world_size", "round", "committed_at")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    manifest_digest: str
+    world_size: int
+    round: int
+    committed_at: float
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., world_size: _Optional[int] = ..., round: _Optional[int] = ..., committed_at: _Optional[float] = ...) -> None: ...
