@@ -207,6 +207,8 @@ class EtcdClient:
             return EtcdAuthError(f"{where}: {what}: permission denied for user {self.config.user!r}")
         if code == grpc.StatusCode.INVALID_ARGUMENT and "authentication failed" in low:
             return EtcdAuthError(f"{where}: authentication as {self.config.user!r} failed: {details}")
+        if "user name is empty" in low:
+            return EtcdAuthError(f"{where}: {what}: etcd requires authentication; configure user and password")
         if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in low:
             return CompactedError(0, what)
         if code == grpc.StatusCode.NOT_FOUND and "lease not found" in low:

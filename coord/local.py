@@ -42,12 +42,15 @@ def _die_with_parent() -> None:
 
 @dataclass(frozen=True)
 class TLSFiles:
-    """Server-side TLS for a local cluster; ``client_cert_auth`` makes it mutual."""
+    """TLS for a local cluster; ``client_cert_auth`` makes it mutual, and clients built by
+    :meth:`LocalEtcd.client_config` then present ``client_cert_file``/``client_key_file``."""
 
     ca_file: str
     cert_file: str
     key_file: str
     client_cert_auth: bool = True
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
 
 
 @dataclass
@@ -113,7 +116,7 @@ class LocalEtcd:
         if self.tls:
             settings.update(ca_file=self.tls.ca_file)
             if self.tls.client_cert_auth:
-                settings.update(cert_file=self.tls.cert_file, key_file=self.tls.key_file)
+                settings.update(cert_file=self.tls.client_cert_file, key_file=self.tls.client_key_file)
         settings.update(overrides)
         return EtcdConfig(**settings)  # type: ignore[arg-type]
 
