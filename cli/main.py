@@ -10,10 +10,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from stalwart.cli import version_cmd
+from stalwart.cli import demo_cmd, logs, version_cmd
 
 # Subcommand modules, each with ``register(subparsers) -> None``. Later features append here.
-_COMMANDS = [version_cmd]
+_COMMANDS = [version_cmd, demo_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stalwart",
         description="Fault-tolerant elastic training for PyTorch and DeepSpeed.",
     )
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="one event a line, as text or as JSON objects")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _COMMANDS:
         module.register(sub)
@@ -30,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logs.setup(args.log_level, args.log_format)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -50,19 +50,23 @@ class Lease:
 
     def _run(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
-        while not self._stop.wait(interval):
+        wait = interval
+        while not self._stop.wait(wait):
             budget = self.ttl - (time.monotonic() - self._last_ok)
             if budget <= 0:
                 self._declare_lost(f"no keep-alive succeeded for {self.ttl} s")
                 return
             try:
-                self._client.keepalive_once(self.id, timeout=min(budget, max(interval, 0.5)))
+                self._client.keepalive_once(self.id, timeout=min(budget, interval))
                 self._last_ok = time.monotonic()
+                wait = interval
             except LeaseLost as exc:
                 self._declare_lost(str(exc))
                 return
             except CoordError as exc:
+                # Retry soon: an etcd leader election or fail-over usually ends within a second.
                 log.warning("lease %x: keep-alive failed (%s); %.1f s of TTL left", self.id, exc, budget)
+                wait = 0.1
 
     def _declare_lost(self, reason: str) -> None:
         if self._stop.is_set():

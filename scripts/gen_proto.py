@@ -20,10 +20,10 @@ PROTO_DIR = Path(__file__).resolve().parent.parent / "proto"
 GRPC_FILES = {"agent.proto"}  # files that define services
 
 
-def generate(out_dir: Path) -> list[Path]:
+def generate(out_dir: Path, proto_dir: Path = PROTO_DIR) -> list[Path]:
     from grpc_tools import protoc  # imported here: a build-time tool, not a runtime dependency
 
-    sources = sorted(PROTO_DIR.glob("*.proto"))
+    sources = sorted(proto_dir.glob("*.proto"))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         pkg = root / "stalwart" / "proto"
@@ -48,10 +48,24 @@ def generate(out_dir: Path) -> list[Path]:
     return written
 
 
+def stale_files(proto_dir: Path = PROTO_DIR) -> list[str]:
+    """Generated files in ``proto_dir`` that differ from what grpcio-tools generates now."""
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = {p.name: p.read_bytes() for p in generate(Path(tmp), proto_dir)}
+    committed = {p.name: p.read_bytes() for p in proto_dir.glob("*_pb2*.py*")}
+    return sorted(name for name in fresh.keys() | committed.keys() if fresh.get(name) != committed.get(name))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=PROTO_DIR)
+    parser.add_argument("--check", action="store_true", help="exit 1 if the committed files are stale")
     args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_files()
+        for name in stale:
+            print(f"stale: proto/{name} (run python scripts/gen_proto.py)")
+        return 1 if stale else 0
     for path in generate(args.out):
         print(path.name)
     return 0

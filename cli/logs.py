@@ -1,0 +1,46 @@
+"""Logging set-up for the command line: one event a line, as text or as JSON objects."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+# Context fields a log call may pass through ``extra=``; they are printed when present.
+CONTEXT = ("node", "rank", "round", "step")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        event = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key in CONTEXT:
+            if hasattr(record, key):
+                event[key] = getattr(record, key)
+        if record.exc_info:
+            event["exc"] = self.formatException(record.exc_info)
+        return json.dumps(event, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ctx = " ".join(f"{k}={getattr(record, k)}" for k in CONTEXT if hasattr(record, k))
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        line = f"{stamp} {record.levelname[0]} {record.name}: {record.getMessage()}"
+        line = f"{line} [{ctx}]" if ctx else line
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup(level: str = "info", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
