@@ -1,0 +1,112 @@
+"""The rules a rendezvous daemon follows when it forms rounds, as one validated, frozen config.
+
+Build it once at the entry point (``RoundPolicy(...)`` or ``RoundPolicy.from_mapping(table)`` for a
+TOML table); the state machine only reads it. Every field has a default, every check runs in the
+constructor, and every error is a :class:`PolicyError` that names the field and echoes its value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from stalwart.daemon.errors import PolicyError
+
+__all__ = ["PolicyError", "RoundPolicy"]
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """When the daemon opens, shrinks and regrows rounds. Times are in seconds.
+
+    Fields and defaults:
+
+    - ``min_nodes`` (1): fewest nodes a round may have; below it the daemon waits.
+    - ``max_nodes`` (10000): most nodes a round may have. Set it to the job's size: the first round
+      then starts as soon as that many nodes are there instead of waiting ``join_timeout``.
+    - ``node_quantum`` (1): every world size is a multiple of it (e.g. the pipeline-parallel
+      degree times the nodes per replica). At least one multiple must lie in
+      ``[min_nodes, max_nodes]``.
+    - ``join_timeout`` (60): the first round opens this long after the first node registered, or
+      earlier once the largest feasible world (``max_nodes`` rounded down to the quantum) is there.
+      If fewer than ``min_nodes`` are there by then, it opens as soon as they are.
+    - ``regrow_cooldown`` (300): a regrow opens no sooner than this after the previous round
+      opened, so that nodes that come and go cannot keep the job restarting. Shrinks never wait.
+    - ``quarantine_faults`` (3) within ``quarantine_window`` (3600): a node that faults this many
+      times within the window is quarantined until an operator uncordons it.
+    - ``stall_timeout`` (120): a member whose training progress does not advance for this long
+      (counted from the round's opening) is stalled. Must exceed the agents' progress report
+      interval and the time to restore and take the first step.
+    - ``master_port`` (29500, torchrun's default): the port of the rank-0 node's rendezvous store.
+    """
+
+    min_nodes: int = 1
+    max_nodes: int = 10_000
+    node_quantum: int = 1
+    join_timeout: float = 60.0
+    regrow_cooldown: float = 300.0
+    quarantine_faults: int = 3
+    quarantine_window: float = 3600.0
+    stall_timeout: float = 120.0
+    master_port: int = 29500
+
+    def __post_init__(self) -> None:
+        for name in ("min_nodes", "max_nodes", "node_quantum", "quarantine_faults", "master_port"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PolicyError(f"{name} must be an integer, got {value!r}")
+        for name in ("join_timeout", "regrow_cooldown", "quarantine_window", "stall_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise PolicyError(f"{name} must be a finite number of seconds, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.min_nodes < 1:
+            raise PolicyError(f"min_nodes must be at least 1, got {self.min_nodes}")
+        if self.min_nodes > self.max_nodes:
+            raise PolicyError(f"min_nodes ({self.min_nodes}) must not exceed max_nodes ({self.max_nodes})")
+        if self.node_quantum < 1:
+            raise PolicyError(f"node_quantum must be at least 1, got {self.node_quantum}")
+        if self.largest_world_size < self.min_nodes:
+            raise PolicyError(
+                f"node_quantum ({self.node_quantum}) divides no world size between "
+                f"min_nodes ({self.min_nodes}) and max_nodes ({self.max_nodes})"
+            )
+        if self.join_timeout < 0:
+            raise PolicyError(f"join_timeout must not be negative, got {self.join_timeout}")
+        if self.regrow_cooldown < 0:
+            raise PolicyError(f"regrow_cooldown must not be negative, got {self.regrow_cooldown}")
+        if self.quarantine_faults < 1:
+            raise PolicyError(f"quarantine_faults must be at least 1, got {self.quarantine_faults}")
+        if self.quarantine_window <= 0:
+            raise PolicyError(f"quarantine_window must be positive, got {self.quarantine_window}")
+        if self.stall_timeout <= 0:
+            raise PolicyError(f"stall_timeout must be positive, got {self.stall_timeout}")
+        if not 0 < self.master_port < 65536:
+            raise PolicyError(f"master_port must be in 1..65535, got {self.master_port}")
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, object]) -> RoundPolicy:
+        """Build a policy from a config table (e.g. a parsed TOML section).
+
+        Missing keys take their defaults. Raises :class:`PolicyError` on an unknown key (a typo must
+        not silently fall back to a default), a value of the wrong type, or an invalid combination.
+        """
+        if not isinstance(mapping, Mapping):
+            raise PolicyError(f"round policy must be a table of settings, got {type(mapping).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(key) for key in mapping if key not in known)
+        if unknown:
+            raise PolicyError(f"unknown round policy setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**mapping)  # type: ignore[arg-type]  # types are checked in __post_init__
+
+    @property
+    def largest_world_size(self) -> int:
+        """``max_nodes`` rounded down to a multiple of ``node_quantum``."""
+        return self.max_nodes // self.node_quantum * self.node_quantum
+
+    def world_size_for(self, available: int) -> int | None:
+        """The world size a round gets when ``available`` eligible nodes are there: capped at
+        ``max_nodes``, rounded down to ``node_quantum``; None when that falls below ``min_nodes``."""
+        size = min(available, self.max_nodes) // self.node_quantum * self.node_quantum
+        return size if size >= self.min_nodes else None

@@ -1,0 +1,194 @@
+"""What goes into the round state machine (events) and what comes out (decisions).
+
+Plain frozen dataclasses, free of etcd and protobuf: the daemon's loop decodes etcd values into
+events and encodes decisions into etcd writes. The machine checks every event's fields itself and
+ignores a malformed one, so constructors here do not validate.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CheckpointCommitted",
+    "CloseRound",
+    "Cordon",
+    "Decision",
+    "Drain",
+    "Event",
+    "Health",
+    "HealthVerdict",
+    "LeaseLost",
+    "Member",
+    "NodeRegistered",
+    "OpenRound",
+    "PeerReachability",
+    "ProgressReport",
+    "Status",
+    "Tick",
+    "Uncordon",
+]
+
+
+class Health(enum.Enum):
+    """An agent's verdict on its node.
+
+    HEALTHY: fit to train. TRANSIENT: a problem the agent expects to clear (e.g. restarting a
+    worker); the node stays in its current round but is not taken into a new one until it is
+    healthy again. FATAL: the node cannot train (e.g. a GPU fell off the bus); it leaves the world.
+    """
+
+    HEALTHY = "healthy"
+    TRANSIENT = "transient"
+    FATAL = "fatal"
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeRegistered:
+    """A node's agent registered (its lease is alive). Registration implies a healthy node: agents
+    register after their first health probe passes. ``address`` is the host name or IP its peers
+    reach it at (no port); ``devices`` the number of local accelerators, at least 1."""
+
+    node_id: str
+    address: str
+    devices: int
+
+
+@dataclass(frozen=True)
+class LeaseLost:
+    """The lease of a node's agent expired or was revoked: the node is gone until it registers."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class HealthVerdict:
+    """The latest health verdict of a node's agent; ``detail`` is shown to operators."""
+
+    node_id: str
+    health: Health
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    """A member reports the training step it reached. ``time`` is the node's own clock when the
+    step finished, kept for display only: stall detection uses the daemon's ``now`` because node
+    clocks are not comparable with the daemon's. Only a step larger than the node's previous one in
+    this round counts as progress."""
+
+    node_id: str
+    step: int
+    time: float
+
+
+@dataclass(frozen=True)
+class CheckpointCommitted:
+    """A checkpoint at ``step`` was committed (every shard durable, manifest written)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Operator: take the node out of the world now and keep it out until uncordoned."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Cordon:
+    """Operator: take the node into no new round until uncordoned. A member stays in the current
+    round and leaves it when the world next changes for another reason."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Uncordon:
+    """Operator: lift a cordon, drain or quarantine (and forget the node's past faults)."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class PeerReachability:
+    """A member's agent reports which peers of the round it cannot reach; the latest report of
+    each member in the current round is kept and used when the whole round stalls."""
+
+    node_id: str
+    unreachable: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed. Carries nothing: every call is given ``now``; a tick only gives time-based
+    rules (join timeout, stall timeout, cool-down) a chance to fire when nothing else happens."""
+
+
+Event = (
+    NodeRegistered
+    | LeaseLost
+    | HealthVerdict
+    | ProgressReport
+    | CheckpointCommitted
+    | Drain
+    | Cordon
+    | Uncordon
+    | PeerReachability
+    | Tick
+)
+
+
+# --- decisions ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Member:
+    """One node of a round. ``rank`` is the node's rank (torchrun's group rank), 0..W-1; worker
+    ranks are derived from it by the agents."""
+
+    rank: int
+    node_id: str
+    address: str
+    devices: int
+
+
+@dataclass(frozen=True)
+class OpenRound:
+    """Open round ``number`` with ``members`` in rank order (``members[i].rank == i``).
+
+    Workers of the previous round stop; the new world restores the checkpoint at ``restore_step``
+    (None: no checkpoint committed yet, start from scratch). The master is rank 0's address.
+    """
+
+    number: int
+    members: tuple[Member, ...]
+    world_size: int
+    master_addr: str
+    master_port: int
+    restore_step: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class CloseRound:
+    """Round ``number`` is over and no new round can open yet: its workers must stop."""
+
+    number: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Status:
+    """No round can open now, and why (e.g. "waiting: 2 healthy nodes, min_nodes=3"). Emitted
+    when the reason changes, not on every event."""
+
+    reason: str
+
+
+Decision = OpenRound | CloseRound | Status

@@ -1,0 +1,573 @@
+"""The rendezvous daemon's pure round logic: events in, decisions out, no I/O and no clock.
+
+The loop around it reads etcd and the clock, and calls ``RoundMachine.handle(event, now)`` for each
+event (and a :class:`Tick` every second or so); it writes each returned decision. ``now`` is the
+loop's monotonic clock in seconds; a value older than the newest seen is treated as the newest.
+
+Rules, in the order the machine applies them:
+
+- **First round**: opens once the largest feasible world is registered and healthy, or
+  ``join_timeout`` after the first registration with whatever feasible world is there.
+- **Shrink**: a member's lease is lost, its health turns FATAL, it is drained or quarantined, or it
+  alone stops making progress for ``stall_timeout`` -> a new round at once, from the surviving
+  members and any healthy waiting nodes, if a feasible world remains; otherwise the round closes
+  and a :class:`Status` says what it is waiting for.
+- **Network stall**: no member made progress for ``stall_timeout`` -> the member that a strict
+  majority of the other members report unreachable is excluded and a new round opens; when no
+  single member qualifies, the same members (those still eligible) are reopened as a new round.
+- **Regrow**: healthy waiting nodes join when the world can grow (after quantum and ``max_nodes``),
+  ``regrow_cooldown`` has passed since the round opened, and either a checkpoint newer than the
+  round's restore step commits or the round has not reported any training progress yet.
+- **Quarantine**: a fault is a healthy node turning unhealthy (TRANSIENT or FATAL), losing its
+  lease, or being excluded for a stall. ``quarantine_faults`` of them within ``quarantine_window``
+  hold the node out until :class:`Uncordon`.
+- **Restore step**: every round restores the newest committed checkpoint (None before the first).
+
+Rank order: the surviving members of the previous round keep their relative order, then the
+newcomers follow sorted by node id; when the quantum or ``max_nodes`` leaves no room for all,
+the list is cut from the end (the highest ranks leave first). The first round is sorted by node id.
+
+Unknown node ids, duplicate registrations, events about nodes outside the world and malformed
+events are logged and ignored: ``handle`` never raises for an event's content.
+
+Cost: a registration, health verdict or progress report is O(1); opening a round is
+O(n log n) in the number of nodes; so is the occasional scan for a single stalled member.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from stalwart.daemon.nodes import HELD, NodeRecord, NodeState, check_transition
+from stalwart.daemon.policy import RoundPolicy
+from stalwart.daemon.round_events import (
+    CheckpointCommitted,
+    CloseRound,
+    Cordon,
+    Decision,
+    Drain,
+    Event,
+    Health,
+    HealthVerdict,
+    LeaseLost,
+    Member,
+    NodeRegistered,
+    OpenRound,
+    PeerReachability,
+    ProgressReport,
+    Status,
+    Tick,
+    Uncordon,
+)
+
+__all__ = ["MachineState", "RoundMachine", "RoundRecord", "name_unreachable_node"]
+
+log = logging.getLogger(__name__)
+
+_NODE_EVENTS = (NodeRegistered, LeaseLost, HealthVerdict, ProgressReport, Drain, Cordon, Uncordon,
+                PeerReachability)
+
+
+@dataclass
+class RoundRecord:
+    """The open round. ``members`` are node ids in rank order.
+
+    ``last_progress_at`` is the newest progress of any member (the opening time before the first);
+    ``stall_check_at`` is a time before which no member can have stalled, so the machine scans
+    members for a single stall only after it.
+    """
+
+    number: int
+    members: tuple[str, ...]
+    opened_at: float
+    restore_step: int | None
+    training: bool = False
+    last_progress_at: float = 0.0
+    stall_check_at: float = 0.0
+    member_set: frozenset[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.member_set = frozenset(self.members)
+
+
+@dataclass
+class MachineState:
+    """Everything the round machine knows; plain data, mutated only by :class:`RoundMachine`.
+
+    ``waiting`` indexes the eligible nodes outside the world (state WAITING, registered,
+    HEALTHY) so that counting them is O(1). ``last_round_number`` is the number of the newest
+    round ever opened (0: none yet); a new round is always numbered one above it.
+    """
+
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    waiting: set[str] = field(default_factory=set)
+    round: RoundRecord | None = None
+    last_round_number: int = 0
+    first_registered_at: float | None = None
+    committed_step: int | None = None
+    last_status: str | None = None
+    now: float = -math.inf
+
+
+def name_unreachable_node(members: Sequence[str], reports: Mapping[str, Iterable[str]]) -> str | None:
+    """The single member that the others cannot reach, or None when there is no such member.
+
+    ``reports`` maps a member to the peers it reports unreachable. A member qualifies when a strict
+    majority of the *other* members report it unreachable; the answer is that member if exactly
+    one qualifies. Two nodes that each report the other name nobody: which side is broken cannot
+    be told. Reports from non-members and about non-members are not counted.
+    """
+    member_set = set(members)
+    accusers: dict[str, int] = {}
+    for reporter in members:
+        for peer in set(reports.get(reporter, ())):
+            if peer in member_set and peer != reporter:
+                accusers[peer] = accusers.get(peer, 0) + 1
+    others = len(member_set) - 1
+    qualified = [peer for peer, count in accusers.items() if 2 * count > others]
+    return qualified[0] if len(qualified) == 1 else None
+
+
+class RoundMachine:
+    """Decides, event by event, which nodes form each round. Not thread-safe: one caller.
+
+    ``handle`` returns the decisions the event causes (usually none); at most one of them opens
+    or closes a round. The state is :attr:`state`, a plain :class:`MachineState`.
+    """
+
+    def __init__(self, policy: RoundPolicy, state: MachineState | None = None) -> None:
+        self.policy = policy
+        self.state = state if state is not None else MachineState()
+
+    # --- entry point ----------------------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> list[Decision]:
+        """Apply ``event`` at time ``now`` and return the resulting decisions (often none).
+
+        Never raises for an event's content; a non-finite ``now`` or a malformed event is logged
+        and ignored. Time-based rules are checked on every call, not only on :class:`Tick`.
+        """
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+            log.warning("round %d: ignored %r: time %r is not a finite number", self._round_no(), event, now)
+            return []
+        st = self.state
+        st.now = now = max(float(now), st.now)
+        problem = _malformed(event)
+        if problem is not None:
+            log.warning("round %d: ignored malformed event %r: %s", self._round_no(), event, problem)
+            return []
+        decisions = self._dispatch(event, now)
+        if not decisions:
+            decisions = self._evaluate(now)
+        return decisions
+
+    def _dispatch(self, event: Event, now: float) -> list[Decision]:
+        if isinstance(event, NodeRegistered):
+            return self._on_registered(event, now)
+        if isinstance(event, LeaseLost):
+            return self._on_lease_lost(event, now)
+        if isinstance(event, HealthVerdict):
+            return self._on_health(event, now)
+        if isinstance(event, ProgressReport):
+            return self._on_progress(event, now)
+        if isinstance(event, CheckpointCommitted):
+            return self._on_checkpoint(event, now)
+        if isinstance(event, Drain):
+            return self._on_drain(event, now)
+        if isinstance(event, Cordon):
+            return self._on_cordon(event)
+        if isinstance(event, Uncordon):
+            return self._on_uncordon(event)
+        if isinstance(event, PeerReachability):
+            return self._on_reachability(event)
+        return []  # Tick: only the time-based rules in _evaluate
+
+    # --- event handlers -------------------------------------------------------------------------
+
+    def _on_registered(self, ev: NodeRegistered, now: float) -> list[Decision]:
+        st = self.state
+        rec = st.nodes.get(ev.node_id)
+        if rec is not None and rec.registered:
+            log.info("round %d: node %s: ignored duplicate registration", self._round_no(), ev.node_id)
+            return []
+        if st.first_registered_at is None:
+            st.first_registered_at = now
+        if rec is None:
+            rec = NodeRecord(ev.node_id, ev.address, ev.devices)
+            st.nodes[ev.node_id] = rec
+            log.info("round %d: node %s: registered at %s with %d devices, waiting",
+                     self._round_no(), ev.node_id, ev.address, ev.devices)
+            self._sync(rec)
+            return []
+        rec.address, rec.devices = ev.address, ev.devices
+        rec.registered = True
+        rec.health, rec.health_detail = Health.HEALTHY, ""
+        if rec.state is NodeState.LOST:
+            self._move(rec, NodeState.WAITING, "registered again")
+        else:
+            log.info("round %d: node %s: registered again, still %s",
+                     self._round_no(), rec.node_id, rec.state.value)
+            self._sync(rec)
+        return []
+
+    def _on_lease_lost(self, ev: LeaseLost, now: float) -> list[Decision]:
+        rec = self._known(ev.node_id, "lease lost")
+        if rec is None:
+            return []
+        if not rec.registered:
+            log.info("round %d: node %s: ignored lease loss, not registered", self._round_no(), rec.node_id)
+            return []
+        counts = rec.health is Health.HEALTHY and rec.state not in HELD
+        rec.registered = False
+        if not (counts and self._fault(rec, now, "lease lost")) and rec.state not in HELD:
+            self._move(rec, NodeState.LOST, "lease lost")
+        self._sync(rec)
+        if self._in_round(rec.node_id):
+            return self._reopen(now, f"node {rec.node_id} lease lost")
+        return []
+
+    def _on_health(self, ev: HealthVerdict, now: float) -> list[Decision]:
+        rec = self._known(ev.node_id, f"health {ev.health.value}")
+        if rec is None:
+            return []
+        before = rec.health
+        rec.health, rec.health_detail = ev.health, ev.detail
+        if before is ev.health:
+            return []
+        why = f"health {before.value} -> {ev.health.value}" + (f" ({ev.detail})" if ev.detail else "")
+        log.info("round %d: node %s: %s", self._round_no(), rec.node_id, why)
+        if rec.registered and rec.state not in HELD:
+            quarantined = before is Health.HEALTHY and self._fault(rec, now, why)
+            if not quarantined:
+                if ev.health is Health.FATAL:
+                    self._move(rec, NodeState.UNHEALTHY, why)
+                elif rec.state is NodeState.UNHEALTHY:
+                    self._move(rec, NodeState.WAITING, why)
+        self._sync(rec)
+        if self._in_round(rec.node_id) and (
+            rec.health is Health.FATAL or rec.state is NodeState.QUARANTINED
+        ):
+            return self._reopen(now, f"node {rec.node_id} {why}")
+        return []
+
+    def _on_progress(self, ev: ProgressReport, now: float) -> list[Decision]:
+        rnd = self.state.round
+        if rnd is None or not self._in_round(ev.node_id):
+            log.info("round %d: node %s: ignored progress report, not in the world",
+                     self._round_no(), ev.node_id)
+            return []
+        rec = self.state.nodes[ev.node_id]
+        if rec.last_step is not None and ev.step <= rec.last_step:
+            return []  # a repeated step is a heartbeat, not progress
+        rec.last_step, rec.last_progress_at = ev.step, now
+        rnd.last_progress_at = now
+        if not rnd.training:
+            rnd.training = True
+            log.info("round %d: training started (node %s at step %d)", rnd.number, rec.node_id, ev.step)
+        return []
+
+    def _on_checkpoint(self, ev: CheckpointCommitted, now: float) -> list[Decision]:
+        st = self.state
+        if st.committed_step is None or ev.step > st.committed_step:
+            st.committed_step = ev.step
+        log.info("round %d: checkpoint at step %d committed (newest %d)",
+                 self._round_no(), ev.step, st.committed_step)
+        rnd = st.round
+        if rnd is not None and rnd.training and (rnd.restore_step is None or ev.step > rnd.restore_step):
+            return self._regrow(now, f"checkpoint at step {ev.step} committed")
+        return []
+
+    def _on_drain(self, ev: Drain, now: float) -> list[Decision]:
+        rec = self._known(ev.node_id, "drain")
+        if rec is None:
+            return []
+        if rec.state in (NodeState.DRAINED, NodeState.QUARANTINED):
+            log.info("round %d: node %s: ignored drain, already %s",
+                     self._round_no(), rec.node_id, rec.state.value)
+            return []
+        self._move(rec, NodeState.DRAINED, "drained by operator")
+        if self._in_round(rec.node_id):
+            return self._reopen(now, f"node {rec.node_id} drained by operator")
+        return []
+
+    def _on_cordon(self, ev: Cordon) -> list[Decision]:
+        rec = self._known(ev.node_id, "cordon")
+        if rec is None:
+            return []
+        if rec.state in HELD:
+            log.info("round %d: node %s: ignored cordon, already %s",
+                     self._round_no(), rec.node_id, rec.state.value)
+            return []
+        self._move(rec, NodeState.CORDONED, "cordoned by operator")
+        return []
+
+    def _on_uncordon(self, ev: Uncordon) -> list[Decision]:
+        rec = self._known(ev.node_id, "uncordon")
+        if rec is None:
+            return []
+        if rec.state not in HELD:
+            log.info("round %d: node %s: ignored uncordon, node is %s",
+                     self._round_no(), rec.node_id, rec.state.value)
+            return []
+        rec.faults.clear()
+        if not rec.registered:
+            target = NodeState.LOST
+        elif rec.health is Health.FATAL:
+            target = NodeState.UNHEALTHY
+        elif self._in_round(rec.node_id):
+            target = NodeState.MEMBER
+        else:
+            target = NodeState.WAITING
+        self._move(rec, target, "uncordoned by operator")
+        return []
+
+    def _on_reachability(self, ev: PeerReachability) -> list[Decision]:
+        if not self._in_round(ev.node_id):
+            log.info("round %d: node %s: ignored reachability report, not in the world",
+                     self._round_no(), ev.node_id)
+            return []
+        self.state.nodes[ev.node_id].unreachable = frozenset(ev.unreachable)
+        return []
+
+    # --- rules that depend on time or counts ----------------------------------------------------
+
+    def _evaluate(self, now: float) -> list[Decision]:
+        rnd = self.state.round
+        if rnd is None:
+            return self._form(now)
+        stalled = self._check_stall(rnd, now)
+        if stalled:
+            return stalled
+        if not rnd.training:
+            return self._regrow(now, "the round has not started training")
+        return []
+
+    def _form(self, now: float) -> list[Decision]:
+        """Open a round when none is open and enough eligible nodes wait."""
+        st, pol = self.state, self.policy
+        n = len(st.waiting)
+        if st.last_round_number == 0:
+            deadline = None if st.first_registered_at is None else st.first_registered_at + pol.join_timeout
+            if n >= pol.largest_world_size:
+                return self._open(now, sorted(st.waiting),
+                                  f"first round: {_healthy(n)} fill the largest world "
+                                  f"(max_nodes={pol.max_nodes})")
+            if deadline is not None and now >= deadline and pol.world_size_for(n) is not None:
+                return self._open(now, sorted(st.waiting),
+                                  f"first round: join_timeout={pol.join_timeout:g}s passed with {_healthy(n)}")
+            if deadline is not None and now < deadline:
+                return self._status(f"waiting for the first round: {_healthy(n)} of max_nodes="
+                                    f"{pol.max_nodes}, join_timeout ends at t={deadline:.1f}")
+            return self._status(self._waiting_reason(n))
+        if pol.world_size_for(n) is not None:
+            return self._open(now, sorted(st.waiting), f"{_healthy(n)} available again")
+        return self._status(self._waiting_reason(n))
+
+    def _check_stall(self, rnd: RoundRecord, now: float) -> list[Decision]:
+        timeout = self.policy.stall_timeout
+        if now - rnd.last_progress_at >= timeout:
+            return self._network_stall(rnd, now)
+        if now < rnd.stall_check_at:
+            return []
+        nodes = self.state.nodes
+        seen = {m: _or(nodes[m].last_progress_at, rnd.opened_at) for m in rnd.members}
+        stalled = [m for m in rnd.members if now - seen[m] >= timeout]
+        if not stalled:
+            rnd.stall_check_at = min(seen.values()) + timeout
+            return []
+        for node_id in stalled:
+            self._fault(nodes[node_id], now, f"no progress for {timeout:g}s")
+        return self._reopen(now, f"node(s) {', '.join(stalled)} made no progress for {timeout:g}s",
+                            exclude=set(stalled))
+
+    def _network_stall(self, rnd: RoundRecord, now: float) -> list[Decision]:
+        nodes = self.state.nodes
+        reports = {m: nodes[m].unreachable for m in rnd.members}
+        culprit = name_unreachable_node(rnd.members, reports)
+        why = f"network stall: no member made progress for {self.policy.stall_timeout:g}s"
+        if culprit is None:
+            return self._reopen(now, f"{why}; no single unreachable member can be named, "
+                                     f"reopening with the same members", newcomers=False)
+        accusers = sum(1 for m in rnd.members if culprit in reports[m])
+        self._fault(nodes[culprit], now, "unreachable from its peers")
+        return self._reopen(now, f"{why}; node {culprit} is unreachable from {accusers} of "
+                                 f"{len(rnd.members) - 1} peers, excluded", exclude={culprit})
+
+    def _regrow(self, now: float, trigger: str) -> list[Decision]:
+        st, pol = self.state, self.policy
+        rnd = st.round
+        if rnd is None or not st.waiting or now - rnd.opened_at < pol.regrow_cooldown:
+            return []
+        world = len(rnd.members)
+        bound = pol.world_size_for(world + len(st.waiting))
+        if bound is None or bound <= world:
+            return []  # cannot grow even if every member survives
+        survivors = [m for m in rnd.members if st.nodes[m].eligible]
+        target = pol.world_size_for(len(survivors) + len(st.waiting))
+        if target is None or target <= world:
+            return []
+        return self._open(now, survivors + sorted(st.waiting),
+                          f"regrow ({trigger}): {_healthy(len(st.waiting))} waiting")
+
+    # --- opening and closing rounds -------------------------------------------------------------
+
+    def _reopen(self, now: float, why: str, exclude: set[str] | None = None,
+                newcomers: bool = True) -> list[Decision]:
+        """Replace the open round: its eligible members keep their order, then (if ``newcomers``)
+        the waiting nodes sorted by id; ``exclude`` is left out of this round only."""
+        st = self.state
+        rnd = st.round
+        assert rnd is not None
+        skip = exclude or set()
+        survivors = [m for m in rnd.members if m not in skip and st.nodes[m].eligible]
+        joining = sorted(st.waiting - skip) if newcomers else []
+        return self._open(now, survivors + joining, why)
+
+    def _open(self, now: float, candidates: list[str], why: str) -> list[Decision]:
+        st, pol = self.state, self.policy
+        size = pol.world_size_for(len(candidates))
+        old = st.round
+        if size is None:
+            waiting = self._waiting_reason(len(candidates))
+            if old is None:
+                return self._status(waiting)
+            self._retire(old, set(), why)
+            st.round = None
+            log.warning("round %d: closed: %s; %s", old.number, why, waiting)
+            return [CloseRound(old.number, f"{why}; {waiting}"), *self._status(waiting)]
+        chosen = candidates[:size]
+        if len(candidates) > size:
+            why += f" (world {size} of {len(candidates)} eligible: max_nodes={pol.max_nodes}, " \
+                   f"node_quantum={pol.node_quantum})"
+        number = st.last_round_number + 1
+        why += f"; world {len(old.members)} -> {size}" if old is not None else f"; world {size}"
+        if old is not None:
+            self._retire(old, set(chosen), why)
+        st.last_round_number = number
+        st.round = RoundRecord(number, tuple(chosen), now, st.committed_step,
+                               last_progress_at=now, stall_check_at=now + pol.stall_timeout)
+        st.last_status = None
+        for node_id in chosen:
+            rec = st.nodes[node_id]
+            self._reset_round_data(rec)
+            self._move(rec, NodeState.MEMBER, f"joins round {number}")
+        members = tuple(Member(rank, m, st.nodes[m].address, st.nodes[m].devices)
+                        for rank, m in enumerate(chosen))
+        log.info("round %d: opened with %d nodes, restore step %s: %s", number, size, st.committed_step, why)
+        return [OpenRound(number, members, size, members[0].address, pol.master_port,
+                          st.committed_step, why)]
+
+    def _retire(self, old: RoundRecord, staying: set[str], why: str) -> None:
+        """Members of ``old`` that are not ``staying`` leave the world."""
+        for node_id in old.members:
+            rec = self.state.nodes[node_id]
+            self._reset_round_data(rec)
+            if node_id not in staying and rec.state is NodeState.MEMBER:
+                self._move(rec, NodeState.WAITING, f"leaves round {old.number}: {why}")
+
+    @staticmethod
+    def _reset_round_data(rec: NodeRecord) -> None:
+        rec.last_step, rec.last_progress_at, rec.unreachable = None, None, frozenset()
+
+    def _waiting_reason(self, n: int) -> str:
+        pol = self.policy
+        need = -(-pol.min_nodes // pol.node_quantum) * pol.node_quantum
+        if need == pol.min_nodes:
+            return f"waiting: {_healthy(n)}, min_nodes={pol.min_nodes}"
+        return (f"waiting: {_healthy(n)}, a round needs {need} "
+                f"(min_nodes={pol.min_nodes}, node_quantum={pol.node_quantum})")
+
+    def _status(self, reason: str) -> list[Decision]:
+        if reason == self.state.last_status:
+            return []
+        self.state.last_status = reason
+        log.info("round %d: %s", self._round_no(), reason)
+        return [Status(reason)]
+
+    # --- node bookkeeping -----------------------------------------------------------------------
+
+    def _fault(self, rec: NodeRecord, now: float, why: str) -> bool:
+        """Record a fault; quarantine the node (returning True) when it has too many recent ones."""
+        pol = self.policy
+        rec.faults = [t for t in rec.faults if now - t < pol.quarantine_window] + [now]
+        log.info("round %d: node %s: fault %d within %gs: %s",
+                 self._round_no(), rec.node_id, len(rec.faults), pol.quarantine_window, why)
+        if len(rec.faults) < pol.quarantine_faults or rec.state in HELD:
+            return False
+        self._move(rec, NodeState.QUARANTINED,
+                   f"{len(rec.faults)} faults within {pol.quarantine_window:g}s (last: {why})")
+        return True
+
+    def _move(self, rec: NodeRecord, new: NodeState, why: str) -> None:
+        old = rec.state
+        if old is not new:
+            check_transition(rec.node_id, old, new)
+            rec.state = new
+            log.info("round %d: node %s: %s -> %s: %s", self._round_no(), rec.node_id, old.value, new.value, why)
+        self._sync(rec)
+
+    def _sync(self, rec: NodeRecord) -> None:
+        if rec.state is NodeState.WAITING and rec.eligible:
+            self.state.waiting.add(rec.node_id)
+        else:
+            self.state.waiting.discard(rec.node_id)
+
+    def _known(self, node_id: str, what: str) -> NodeRecord | None:
+        rec = self.state.nodes.get(node_id)
+        if rec is None:
+            log.warning("round %d: node %s: ignored %s for an unknown node", self._round_no(), node_id, what)
+        return rec
+
+    def _in_round(self, node_id: str) -> bool:
+        rnd = self.state.round
+        return rnd is not None and node_id in rnd.member_set
+
+    def _round_no(self) -> int:
+        rnd = self.state.round
+        return rnd.number if rnd is not None else self.state.last_round_number
+
+
+def _healthy(n: int) -> str:
+    return f"{n} healthy node" if n == 1 else f"{n} healthy nodes"
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def _is_count(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _malformed(event: object) -> str | None:
+    """Why ``event`` cannot be applied, or None when it can."""
+    if isinstance(event, Tick):
+        return None
+    if isinstance(event, CheckpointCommitted):
+        return None if _is_count(event.step, 0) else f"step {event.step!r} is not a non-negative integer"
+    if not isinstance(event, _NODE_EVENTS):
+        return f"unknown event type {type(event).__name__}"
+    node_id = event.node_id
+    if not isinstance(node_id, str) or not node_id:
+        return f"node id {node_id!r} is not a non-empty string"
+    if isinstance(event, NodeRegistered):
+        if not isinstance(event.address, str) or not event.address:
+            return f"address {event.address!r} is not a non-empty string"
+        if not _is_count(event.devices, 1):
+            return f"devices {event.devices!r} is not a positive integer"
+    elif isinstance(event, HealthVerdict):
+        if not isinstance(event.health, Health):
+            return f"health {event.health!r} is not a Health"
+        if not isinstance(event.detail, str):
+            return f"detail {event.detail!r} is not a string"
+    elif isinstance(event, ProgressReport):
+        if not _is_count(event.step, 0):
+            return f"step {event.step!r} is not a non-negative integer"
+    elif isinstance(event, PeerReachability):
+        peers = event.unreachable
+        if not isinstance(peers, (set, frozenset)) or not all(isinstance(p, str) for p in peers):
+            return f"unreachable {peers!r} is not a set of node ids"
+    return None
