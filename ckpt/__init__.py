@@ -1,1 +1,72 @@
-"""Sharded async checkpoints: short snapshot, background persist, verified load at any world size."""
+"""Sharded async checkpoints: short snapshot, background persist, verified load at any world size.
+
+Save with :class:`Checkpointer` (one per rank), load with :func:`load`; both take a
+:class:`Coordinator` for multi-rank worlds (torch.distributed by default when initialized). The
+on-disk format is described in ``FORMAT.md`` next to this file.
+"""
+
+from stalwart.ckpt.codec import CodecPolicy
+from stalwart.ckpt.coord import (
+    CallbackCoordinator,
+    Coordinator,
+    SingleCoordinator,
+    TorchDistCoordinator,
+    default_coordinator,
+)
+from stalwart.ckpt.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointExists,
+    CheckpointNotFound,
+    CommitFailed,
+    CommitTimeout,
+    LayoutMismatch,
+    SaveInProgress,
+    UnsafePath,
+    UnsupportedFormat,
+)
+from stalwart.ckpt.layout import Box, Region, split_evenly
+from stalwart.ckpt.loader import LoadResult, load
+from stalwart.ckpt.retention import GcReport, RetentionPolicy, collect_garbage
+from stalwart.ckpt.saver import Checkpointer, CommitInfo, SaveConfig, SaveHandle
+from stalwart.ckpt.shard import Shard
+from stalwart.ckpt.storage import CheckpointInfo, list_checkpoints, read_manifest
+from stalwart.ckpt.verify import VerifyReport, inspect, verify
+
+__all__ = [
+    "Box",
+    "CallbackCoordinator",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointExists",
+    "CheckpointInfo",
+    "CheckpointNotFound",
+    "Checkpointer",
+    "CodecPolicy",
+    "CommitFailed",
+    "CommitInfo",
+    "CommitTimeout",
+    "Coordinator",
+    "GcReport",
+    "LayoutMismatch",
+    "LoadResult",
+    "Region",
+    "RetentionPolicy",
+    "SaveConfig",
+    "SaveHandle",
+    "SaveInProgress",
+    "Shard",
+    "SingleCoordinator",
+    "TorchDistCoordinator",
+    "UnsafePath",
+    "UnsupportedFormat",
+    "VerifyReport",
+    "collect_garbage",
+    "default_coordinator",
+    "inspect",
+    "list_checkpoints",
+    "load",
+    "read_manifest",
+    "split_evenly",
+    "verify",
+]

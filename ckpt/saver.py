@@ -1,0 +1,449 @@
+"""Saving: snapshot to host buffers, persist in the background, commit a manifest.
+
+Order of one save, on every rank (rank 0 also commits):
+
+1. ``Checkpointer.save()`` — waits for the previous save if it is still running (or raises
+   :class:`SaveInProgress`), checks the input, then copies the rank's tensors into one reusable
+   host buffer (pinned when CUDA exists). This copy is the only part that holds up training.
+   With ``snapshot="overlap"`` the copy itself runs in the background too, and the caller must
+   call ``handle.wait_snapshot()`` before changing any saved tensor (e.g. before
+   ``optimizer.step()``): forward and backward of the next step overlap the copy.
+2. Background thread — cuts each tensor's bytes into chunks, checksums (xxh3 of the raw bytes)
+   and maybe compresses them on a small thread pool, appends them in order to
+   ``rank-NNNNN.bin``, fsyncs the file and the directory.
+3. Commit — every rank sends its shard record (file size and digest, chunk table, regions,
+   metadata) to rank 0 through the :class:`~stalwart.ckpt.coord.Coordinator`, even when it
+   failed. Rank 0 checks that the parts tile every tensor, writes ``manifest.json`` atomically
+   (temp file, fsync, rename, fsync of the directory) only if every rank succeeded, and tells all
+   ranks the outcome. Then rank 0 applies the retention policy.
+
+Host memory: one buffer of the rank's state size, kept between saves (grown when the state
+grows), plus at most ``2 * encode_threads`` chunks being compressed. Saves never overlap.
+
+If rank 0 dies after writing the manifest and before announcing it, other ranks report
+:class:`CommitTimeout` although the checkpoint is committed; a loader will use it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import xxhash
+
+from stalwart.ckpt import codec, storage
+from stalwart.ckpt.coord import Coordinator, default_coordinator
+from stalwart.ckpt.errors import (
+    CheckpointError,
+    CheckpointExists,
+    CommitFailed,
+    LayoutMismatch,
+    SaveInProgress,
+)
+from stalwart.ckpt.format import (
+    HEADER_SIZE,
+    MANIFEST_NAME,
+    build_content,
+    canonical_json,
+    encode_manifest,
+    encode_metadata,
+    pack_header,
+    shard_file_name,
+)
+from stalwart.ckpt.layout import chunk_bounds
+from stalwart.ckpt.retention import RetentionPolicy, collect_garbage
+from stalwart.ckpt.shard import Entry, Shard, entries_for_save
+
+log = logging.getLogger(__name__)
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class SaveConfig:
+    """How a :class:`Checkpointer` saves. Validated on construction; unknown fields are errors."""
+
+    chunk_bytes: int = 8 << 20
+    compression: codec.CodecPolicy = field(default_factory=codec.CodecPolicy)
+    encode_threads: int = 2
+    commit_timeout_s: float = 600.0
+    if_busy: Literal["wait", "raise"] = "wait"
+    snapshot: Literal["blocking", "overlap"] = "blocking"
+    retention: RetentionPolicy | None = field(default_factory=RetentionPolicy)
+    max_metadata_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not 4096 <= self.chunk_bytes <= 1 << 30:
+            raise ValueError(f"chunk_bytes must be in [4 KiB, 1 GiB], got {self.chunk_bytes}")
+        if not 1 <= self.encode_threads <= 64:
+            raise ValueError(f"encode_threads must be in [1, 64], got {self.encode_threads}")
+        if self.commit_timeout_s <= 0:
+            raise ValueError(f"commit_timeout_s must be positive, got {self.commit_timeout_s}")
+        if self.if_busy not in ("wait", "raise"):
+            raise ValueError(f"if_busy must be 'wait' or 'raise', got {self.if_busy!r}")
+        if self.snapshot not in ("blocking", "overlap"):
+            raise ValueError(f"snapshot must be 'blocking' or 'overlap', got {self.snapshot!r}")
+        if self.max_metadata_bytes < 0:
+            raise ValueError(f"max_metadata_bytes must be >= 0, got {self.max_metadata_bytes}")
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """The outcome of a committed save, as seen by one rank. Times are seconds from ``save()``."""
+
+    step: int
+    path: str
+    rank: int
+    world_size: int
+    manifest_digest: str
+    logical_bytes: int
+    stored_bytes: int
+    snapshot_s: float
+    persist_s: float
+    commit_s: float
+
+
+class SaveHandle:
+    """A save in flight. Thread-safe; every method may be called from any thread."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self._snapshot = threading.Event()
+        self._future: concurrent.futures.Future[CommitInfo] = concurrent.futures.Future()
+
+    def wait_snapshot(self, timeout: float | None = None) -> bool:
+        """Block until the saved tensors have been copied; afterwards they may change.
+        Returns ``False`` if ``timeout`` passed first."""
+        return self._snapshot.wait(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> CommitInfo:
+        """Wait for the commit. Raises what the save raised (:class:`CommitFailed`,
+        :class:`CommitTimeout`, ...) or ``TimeoutError`` if ``timeout`` passed first."""
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"save of step {self.step} still running") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return self._future.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"save of step {self.step} still running") from None
+
+
+class Checkpointer:
+    """Saves one rank's state under ``root``; one instance per rank, saves never overlap.
+
+    ``save`` must be called from one thread (the training loop), on every rank, with the same
+    steps in the same order. ``on_commit`` is called on rank 0 with the :class:`CommitInfo` once
+    the manifest is durable (e.g. to publish the commit record); its exceptions are logged.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        config: SaveConfig | None = None,
+        coordinator: Coordinator | None = None,
+        on_commit: Callable[[CommitInfo], None] | None = None,
+    ) -> None:
+        self.root = os.path.abspath(root)
+        self.config = config or SaveConfig()
+        self.coordinator = coordinator or default_coordinator(self.config.commit_timeout_s)
+        self.rank = self.coordinator.rank
+        self.world_size = self.coordinator.world_size
+        self._on_commit = on_commit
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.config.encode_threads, "ckpt-encode")
+        self._arena: torch.Tensor | None = None
+        self._inflight: SaveHandle | None = None
+        self._closed = False
+        os.makedirs(self.root, exist_ok=True)
+
+    # --- public -----------------------------------------------------------------------------
+
+    def save(
+        self, step: int, state: Mapping[str, torch.Tensor | Shard], metadata: Mapping[str, Any] | None = None
+    ) -> SaveHandle:
+        """Start saving ``state`` (name -> tensor or :class:`Shard`) and this rank's ``metadata``
+        (JSON-safe values and bytes) as ``step``. Returns once the snapshot is taken (or, with
+        ``snapshot="overlap"``, started). Raises :class:`LayoutMismatch` on bad input,
+        :class:`CheckpointExists` if ``step`` is committed already, :class:`SaveInProgress`
+        (``if_busy="raise"``). Failures after it returns are reported by the handle."""
+        if self._closed:
+            raise CheckpointError("checkpointer is closed")
+        started = time.perf_counter()
+        self._wait_previous()
+        if storage.is_committed(self.root, step):
+            raise CheckpointExists(f"step {step} is already committed under {self.root}")
+        entries = entries_for_save(state, self.rank, self.world_size)
+        meta = encode_metadata(dict(metadata or {}))
+        if len(canonical_json(meta)) > self.config.max_metadata_bytes:
+            raise LayoutMismatch(f"metadata is larger than max_metadata_bytes={self.config.max_metadata_bytes}")
+        handle = SaveHandle(step)
+        views = self._stage(entries)
+        uses_cuda = any(e.tensor.is_cuda for e in entries)
+        copy_event = None
+        if self.config.snapshot == "blocking" or uses_cuda:
+            copy_event = self._copy(entries, views, uses_cuda)
+            if self.config.snapshot == "blocking":
+                if copy_event is not None:
+                    copy_event.synchronize()
+                handle._snapshot.set()
+        snapshot_s = time.perf_counter() - started
+        log.debug("step %d rank %d: snapshot started in %.3fs", step, self.rank, snapshot_s)
+        self._inflight = handle
+        worker = threading.Thread(
+            target=self._persist,
+            args=(handle, entries, views, meta, copy_event, started, snapshot_s),
+            name=f"ckpt-persist-{step}",
+        )
+        worker.start()
+        return handle
+
+    def wait(self, timeout: float | None = None) -> CommitInfo | None:
+        """Wait for the save in flight (if any) and return its result; raises what it raised."""
+        handle = self._inflight
+        return None if handle is None else handle.result(timeout)
+
+    def close(self) -> None:
+        """Wait for the save in flight (errors are logged, not raised) and release threads."""
+        if self._closed:
+            return
+        self._closed = True
+        handle = self._inflight
+        if handle is not None:
+            exc = handle.exception()
+            if exc is not None:
+                log.warning("step %d rank %d: last save failed: %s", handle.step, self.rank, exc)
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- snapshot ---------------------------------------------------------------------------
+
+    def _wait_previous(self) -> None:
+        prev = self._inflight
+        if prev is None or prev.done():
+            return
+        if self.config.if_busy == "raise":
+            raise SaveInProgress(f"save of step {prev.step} is still persisting")
+        log.info("rank %d: waiting for the save of step %d before the next one", self.rank, prev.step)
+        prev.exception()  # errors belong to that save's handle
+
+    def _stage(self, entries: list[Entry]) -> list[torch.Tensor]:
+        """Typed views into the reusable host buffer, one per entry (64-byte aligned)."""
+        offsets = []
+        total = 0
+        for e in entries:
+            offsets.append(total)
+            total += (e.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        pin = torch.cuda.is_available()
+        if self._arena is None or self._arena.numel() < total or self._arena.is_pinned() != pin:
+            self._arena = None
+            self._arena = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
+            log.info("rank %d: host buffer of %d bytes (pinned=%s)", self.rank, total, pin)
+        return [
+            self._arena[off : off + e.nbytes].view(e.tensor.dtype) for off, e in zip(offsets, entries, strict=True)
+        ]
+
+    @staticmethod
+    def _copy(entries: list[Entry], views: list[torch.Tensor], uses_cuda: bool) -> Any:
+        """Copy every entry into its view; with CUDA on a side stream, returning its event."""
+        if not uses_cuda:
+            for e, v in zip(entries, views, strict=True):
+                if e.region.numel:
+                    v.view(e.tensor.shape).copy_(e.tensor)
+            return None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for e, v in zip(entries, views, strict=True):
+                if e.region.numel:
+                    v.view(e.tensor.shape).copy_(e.tensor, non_blocking=True)
+            return stream.record_event()
+
+    # --- persist and commit (background thread) --------------------------------------------
+
+    def _persist(
+        self,
+        handle: SaveHandle,
+        entries: list[Entry],
+        views: list[torch.Tensor],
+        meta: Any,
+        copy_event: Any,
+        started: float,
+        snapshot_s: float,
+    ) -> None:
+        step = handle.step
+        step_dir = storage.step_path(self.root, step)
+        record: dict[str, Any] = {"rank": self.rank}
+        local_error: BaseException | None = None
+        persist_s = 0.0
+        with contextlib.ExitStack() as stack:
+            try:
+                os.makedirs(step_dir, exist_ok=True)
+                stack.enter_context(storage.shared_lock(step_dir, create=True))
+                if not handle._snapshot.is_set():
+                    if copy_event is None:
+                        self._copy(entries, views, False)
+                    else:
+                        copy_event.synchronize()
+                    handle._snapshot.set()
+                record.update(self._write_shard(step, step_dir, entries, views))
+                record["metadata"] = meta
+                persist_s = time.perf_counter() - started
+            except Exception as exc:
+                local_error = exc
+                record["error"] = f"{type(exc).__name__}: {exc}"
+                log.error("step %d rank %d: persisting the shard failed: %s", step, self.rank, exc)
+            finally:
+                handle._snapshot.set()
+            # Every rank takes part in the commit, failed or not, so no rank waits in vain.
+            try:
+                info = self._commit(step, step_dir, record, local_error, started, snapshot_s, persist_s)
+            except CheckpointError as exc:
+                handle._future.set_exception(exc)
+                return
+            except Exception as exc:
+                failure = CommitFailed(f"step {step}: {type(exc).__name__}: {exc}")
+                failure.__cause__ = exc
+                handle._future.set_exception(failure)
+                return
+        if self.rank == 0:
+            self._after_commit(info)
+        handle._future.set_result(info)
+
+    def _write_shard(self, step: int, step_dir: str, entries: list[Entry], views: list[torch.Tensor]) -> dict[str, Any]:
+        name = shard_file_name(self.rank)
+        policy = self.config.compression
+        arena_bytes = memoryview(self._arena.numpy()) if self._arena is not None else memoryview(b"")  # type: ignore[union-attr]
+        base = self._arena.data_ptr() if self._arena is not None else 0
+        jobs: list[tuple[int, memoryview]] = []
+        for index, (e, v) in enumerate(zip(entries, views, strict=True)):
+            start = v.data_ptr() - base if e.region.numel else 0
+            size = e.tensor.element_size()
+            for lo, hi in chunk_bounds(e.region.numel, size, self.config.chunk_bytes):
+                jobs.append((index, arena_bytes[start + lo * size : start + hi * size]))
+        tensors: dict[str, Any] = {
+            e.name: {"dtype": e.dtype, "shape": list(e.region.shape), "region": e.region.to_json(), "chunks": []}
+            for e in entries
+        }
+        fd = os.open(os.path.join(step_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            hasher = xxhash.xxh3_128()
+            header = pack_header(self.rank, self.world_size, step)
+            _write_all(fd, header)
+            hasher.update(header)
+            pos = HEADER_SIZE
+            window = 2 * self.config.encode_threads
+            pending: collections.deque[tuple[int, int, concurrent.futures.Future[Any]]] = collections.deque()
+            queue = iter(jobs)
+            for index, raw in queue:
+                pending.append((index, len(raw), self._pool.submit(codec.encode, raw, policy)))
+                if len(pending) >= window:
+                    break
+            while pending:
+                index, raw_size, future = pending.popleft()
+                kind, stored, digest = future.result()
+                for index_next, raw in queue:
+                    pending.append((index_next, len(raw), self._pool.submit(codec.encode, raw, policy)))
+                    break
+                _write_all(fd, stored)
+                hasher.update(stored)
+                tensors[entries[index].name]["chunks"].append([pos, len(stored), raw_size, kind, digest])
+                pos += len(stored)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        storage.fsync_dir(step_dir)
+        return {"file": {"name": name, "rank": self.rank, "size": pos, "digest": hasher.hexdigest()}, "tensors": tensors}
+
+    def _commit(
+        self,
+        step: int,
+        step_dir: str,
+        record: dict[str, Any],
+        local_error: BaseException | None,
+        started: float,
+        snapshot_s: float,
+        persist_s: float,
+    ) -> CommitInfo:
+        coord = self.coordinator
+        timeout = self.config.commit_timeout_s
+        payloads = coord.gather(canonical_json(record), timeout)
+        if coord.rank == 0:
+            assert payloads is not None
+            outcome = self._write_manifest(step, step_dir, payloads)
+            coord.broadcast(canonical_json(outcome), timeout)
+        else:
+            outcome = json.loads(coord.broadcast(None, timeout))
+        if not outcome.get("ok"):
+            raise CommitFailed(f"step {step} not committed: {outcome.get('error')}") from local_error
+        commit_s = time.perf_counter() - started
+        file = record["file"]
+        logical = sum(c[2] for t in record["tensors"].values() for c in t["chunks"])
+        log.info(
+            "step %d rank %d: committed %d bytes (%d stored) in %.3fs (snapshot %.3fs)",
+            step, self.rank, logical, file["size"], commit_s, snapshot_s,
+        )  # fmt: skip
+        return CommitInfo(
+            step=step,
+            path=step_dir,
+            rank=self.rank,
+            world_size=self.world_size,
+            manifest_digest=outcome["digest"],
+            logical_bytes=logical,
+            stored_bytes=file["size"],
+            snapshot_s=snapshot_s,
+            persist_s=persist_s,
+            commit_s=commit_s,
+        )
+
+    def _write_manifest(self, step: int, step_dir: str, payloads: list[bytes]) -> dict[str, Any]:
+        """Rank 0: build and durably write the manifest if every rank succeeded."""
+        try:
+            records = [json.loads(p) for p in payloads]
+            errors = [f"rank {r.get('rank')}: {r['error']}" for r in records if "error" in r]
+            if errors:
+                return {"ok": False, "error": "; ".join(errors)}
+            content = build_content(step, self.world_size, time.time(), records)
+            data, digest = encode_manifest(content)
+            storage.atomic_write(step_dir, MANIFEST_NAME, data)
+        except Exception as exc:
+            log.error("step %d rank 0: cannot commit: %s", step, exc)
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return {"ok": True, "digest": digest}
+
+    def _after_commit(self, info: CommitInfo) -> None:
+        if self._on_commit is not None:
+            try:
+                self._on_commit(info)
+            except Exception:
+                log.exception("step %d rank 0: on_commit callback failed", info.step)
+        policy = self.config.retention
+        if policy is not None:
+            try:
+                collect_garbage(self.root, policy, protect={info.step})
+            except Exception:
+                log.exception("step %d rank 0: retention failed", info.step)
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
