@@ -389,8 +389,10 @@ class RoundMachine:
         culprit = name_unreachable_node(rnd.members, reports)
         why = f"network stall: no member made progress for {self.policy.stall_timeout:g}s"
         if culprit is None:
-            return self._reopen(now, f"{why}; no single unreachable member can be named, "
-                                     f"reopening with the same members", newcomers=False)
+            if all(nodes[m].eligible for m in rnd.members):
+                return self._reopen(now, f"{why}; no single unreachable member can be named, "
+                                         f"reopening with the same members", newcomers=False)
+            return self._reopen(now, f"{why}; no single unreachable member can be named")
         accusers = sum(1 for m in rnd.members if culprit in reports[m])
         self._fault(nodes[culprit], now, "unreachable from its peers")
         return self._reopen(now, f"{why}; node {culprit} is unreachable from {accusers} of "
@@ -417,14 +419,23 @@ class RoundMachine:
     def _reopen(self, now: float, why: str, exclude: set[str] | None = None,
                 newcomers: bool = True) -> list[Decision]:
         """Replace the open round: its eligible members keep their order, then (if ``newcomers``)
-        the waiting nodes sorted by id; ``exclude`` is left out of this round only."""
+        the waiting nodes sorted by id. ``exclude`` (nodes blamed for a stall) is left out of this
+        round only, and only if a feasible world remains without it: otherwise they stay in, since
+        a round that might stall again beats no round at all (each stall counts a fault, so a node
+        that keeps stalling ends up quarantined)."""
         st = self.state
         rnd = st.round
-        assert rnd is not None
+        assert rnd is not None, "_reopen needs an open round"
         skip = exclude or set()
-        survivors = [m for m in rnd.members if m not in skip and st.nodes[m].eligible]
-        joining = sorted(st.waiting - skip) if newcomers else []
-        return self._open(now, survivors + joining, why)
+        survivors = [m for m in rnd.members if st.nodes[m].eligible]
+        joining = sorted(st.waiting) if newcomers else []
+        kept = [m for m in survivors + joining if m not in skip]
+        if skip and self.policy.world_size_for(len(kept)) is None:
+            left_out = sorted(skip & set(survivors))
+            if left_out:
+                why += f"; too few nodes without {', '.join(left_out)}, keeping them"
+            kept = survivors + joining
+        return self._open(now, kept, why)
 
     def _open(self, now: float, candidates: list[str], why: str) -> list[Decision]:
         st, pol = self.state, self.policy

@@ -1,0 +1,555 @@
+"""Scenario tests of the pure round state machine and its policy: no etcd, no clock."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+
+from stalwart.daemon.errors import TransitionError
+from stalwart.daemon.nodes import NodeState, check_transition
+from stalwart.daemon.policy import PolicyError, RoundPolicy
+from stalwart.daemon.round_events import (
+    CheckpointCommitted,
+    CloseRound,
+    Cordon,
+    Decision,
+    Drain,
+    Event,
+    Health,
+    HealthVerdict,
+    LeaseLost,
+    NodeRegistered,
+    OpenRound,
+    PeerReachability,
+    ProgressReport,
+    Status,
+    Tick,
+    Uncordon,
+)
+from stalwart.daemon.rounds import RoundMachine, name_unreachable_node
+
+
+class Sim:
+    """A machine plus a clock the test moves by hand."""
+
+    def __init__(self, **policy: object) -> None:
+        defaults: dict[str, object] = dict(
+            min_nodes=2, max_nodes=4, join_timeout=10.0, regrow_cooldown=30.0,
+            quarantine_faults=3, quarantine_window=100.0, stall_timeout=1000.0,
+        )
+        defaults.update(policy)
+        self.machine = RoundMachine(RoundPolicy.from_mapping(defaults))
+        self.now = 0.0
+
+    def send(self, event: Event, dt: float = 0.0) -> list[Decision]:
+        self.now += dt
+        return self.machine.handle(event, self.now)
+
+    def register(self, *ids: str) -> list[Decision]:
+        out: list[Decision] = []
+        for node_id in ids:
+            out += self.send(NodeRegistered(node_id, f"{node_id}.example", 8))
+        return out
+
+    def tick(self, dt: float) -> list[Decision]:
+        return self.send(Tick(), dt)
+
+    def progress(self, step: int, dt: float = 0.0) -> None:
+        """Every member of the open round reports ``step``."""
+        self.now += dt
+        rnd = self.machine.state.round
+        assert rnd is not None
+        for node_id in rnd.members:
+            assert self.machine.handle(ProgressReport(node_id, step, self.now), self.now) == []
+
+    def state_of(self, node_id: str) -> NodeState:
+        return self.machine.state.nodes[node_id].state
+
+    def start(self, *ids: str) -> OpenRound:
+        """Register ``ids`` and open the first round by waiting out join_timeout."""
+        decisions = self.register(*ids)
+        if not rounds(decisions):
+            decisions += self.tick(self.machine.policy.join_timeout)
+        opened = rounds(decisions)
+        assert len(opened) == 1
+        return opened[0]
+
+
+def rounds(decisions: list[Decision]) -> list[OpenRound]:
+    return [d for d in decisions if isinstance(d, OpenRound)]
+
+
+def ids(decision: OpenRound) -> list[str]:
+    return [m.node_id for m in decision.members]
+
+
+def only_round(decisions: list[Decision]) -> OpenRound:
+    opened = rounds(decisions)
+    assert len(opened) == 1, decisions
+    return opened[0]
+
+
+# --- policy ---------------------------------------------------------------------------------------
+
+
+def test_policy_defaults_are_valid() -> None:
+    policy = RoundPolicy()
+    assert policy.min_nodes <= policy.max_nodes
+    assert policy.largest_world_size >= policy.min_nodes
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"min_nodes": 3, "max_nodes": 2},
+        {"min_nodes": 3, "max_nodes": 3, "node_quantum": 2},
+        {"min_nodes": 5, "max_nodes": 7, "node_quantum": 4},
+        {"min_nodes": 0},
+        {"node_quantum": 0},
+        {"min_nodes": "2"},
+        {"max_nodes": 4.0},
+        {"master_port": True},
+        {"master_port": 0},
+        {"master_port": 70000},
+        {"join_timeout": -1},
+        {"regrow_cooldown": -0.5},
+        {"stall_timeout": 0},
+        {"quarantine_faults": 0},
+        {"quarantine_window": 0},
+        {"join_timeout": math.inf},
+        {"stall_timeout": "60"},
+        {"min_nodes": 2, "max_nodes": 4, "stall_timeout_s": 3},
+    ],
+)
+def test_bad_policy_raises_policy_error(settings: dict[str, object]) -> None:
+    with pytest.raises(PolicyError):
+        RoundPolicy.from_mapping(settings)
+
+
+def test_policy_error_is_value_error_and_constructor_validates() -> None:
+    with pytest.raises(ValueError):
+        RoundPolicy(min_nodes=4, max_nodes=2)
+
+
+def test_from_mapping_rejects_non_mapping() -> None:
+    with pytest.raises(PolicyError):
+        RoundPolicy.from_mapping([("min_nodes", 2)])  # type: ignore[arg-type]
+
+
+def test_from_mapping_fills_defaults_and_converts_seconds() -> None:
+    policy = RoundPolicy.from_mapping({"min_nodes": 2, "max_nodes": 8, "node_quantum": 2, "join_timeout": 5})
+    assert policy.join_timeout == 5.0 and isinstance(policy.join_timeout, float)
+    assert policy.master_port == RoundPolicy().master_port
+
+
+@pytest.mark.parametrize(
+    ("available", "expected"),
+    [(1, None), (2, 2), (3, 2), (5, 4), (6, 6), (7, 6), (100, 6)],
+)
+def test_world_size_for_rounds_down_to_quantum_and_caps(available: int, expected: int | None) -> None:
+    policy = RoundPolicy(min_nodes=2, max_nodes=7, node_quantum=2)
+    assert policy.world_size_for(available) == expected
+
+
+# --- first round ----------------------------------------------------------------------------------
+
+
+def test_first_round_waits_for_join_timeout() -> None:
+    sim = Sim()
+    assert rounds(sim.register("c", "a", "b")) == []
+    assert rounds(sim.tick(9.0)) == []
+    opened = only_round(sim.tick(1.0))
+    assert opened.number == 1
+    assert ids(opened) == ["a", "b", "c"]
+    assert [m.rank for m in opened.members] == [0, 1, 2]
+    assert opened.world_size == 3
+    assert opened.master_addr == "a.example"
+    assert opened.master_port == RoundPolicy().master_port
+    assert opened.restore_step is None
+    assert opened.reason
+
+
+def test_first_round_starts_early_at_max_nodes() -> None:
+    sim = Sim(max_nodes=3)
+    assert rounds(sim.register("a", "b")) == []
+    opened = only_round(sim.register("c"))
+    assert sim.now < 10.0
+    assert opened.world_size == 3
+
+
+def test_first_round_starts_early_at_largest_multiple_of_quantum() -> None:
+    sim = Sim(min_nodes=2, max_nodes=5, node_quantum=2)
+    assert rounds(sim.register("a", "b", "c")) == []
+    opened = only_round(sim.register("d"))
+    assert ids(opened) == ["a", "b", "c", "d"]
+
+
+def test_first_round_below_min_after_timeout_waits_with_reason_then_opens() -> None:
+    sim = Sim(min_nodes=3)
+    sim.register("a", "b")
+    decisions = sim.tick(15.0)
+    assert rounds(decisions) == []
+    statuses = [d for d in decisions if isinstance(d, Status)]
+    assert len(statuses) == 1 and "2 healthy nodes" in statuses[0].reason
+    assert sim.tick(1.0) == []  # the same reason is not repeated
+    opened = only_round(sim.register("c"))
+    assert opened.world_size == 3
+
+
+def test_first_round_caps_at_max_nodes_and_rest_wait() -> None:
+    sim = Sim(max_nodes=4)
+    opened = only_round(sim.register("f", "e", "d", "c", "b", "a")[-4:] + sim.tick(0))
+    assert ids(opened) == ["c", "d", "e", "f"]
+    assert sim.state_of("a") is NodeState.WAITING
+
+
+# --- shrink ---------------------------------------------------------------------------------------
+
+
+def test_lease_lost_opens_smaller_round_keeping_survivor_order() -> None:
+    sim = Sim()
+    sim.start("a", "b", "c")
+    sim.send(CheckpointCommitted(100))
+    opened = only_round(sim.send(LeaseLost("a"), 1.0))
+    assert opened.number == 2
+    assert ids(opened) == ["b", "c"]
+    assert [m.rank for m in opened.members] == [0, 1]
+    assert opened.master_addr == "b.example"
+    assert opened.restore_step == 100
+    assert sim.state_of("a") is NodeState.LOST
+
+
+def test_fatal_health_of_member_shrinks() -> None:
+    sim = Sim()
+    sim.start("a", "b", "c")
+    opened = only_round(sim.send(HealthVerdict("b", Health.FATAL, "Xid 79"), 1.0))
+    assert ids(opened) == ["a", "c"]
+    assert sim.state_of("b") is NodeState.UNHEALTHY
+
+
+def test_transient_health_keeps_member_in_round() -> None:
+    sim = Sim()
+    sim.start("a", "b", "c")
+    assert sim.send(HealthVerdict("b", Health.TRANSIENT), 1.0) == []
+    assert sim.state_of("b") is NodeState.MEMBER
+
+
+def test_below_min_closes_round_and_waits_with_reason() -> None:
+    sim = Sim(min_nodes=3)
+    sim.start("a", "b", "c")
+    decisions = sim.send(LeaseLost("b"), 1.0)
+    assert [type(d) for d in decisions] == [CloseRound, Status]
+    assert decisions[0].number == 1
+    status = decisions[1]
+    assert isinstance(status, Status)
+    assert "2 healthy nodes" in status.reason and "min_nodes=3" in status.reason
+    assert sim.state_of("a") is NodeState.WAITING
+    assert sim.tick(5.0) == []
+    opened = only_round(sim.register("b"))
+    assert opened.number == 2
+    assert opened.world_size == 3
+
+
+def test_shrink_rounds_down_to_quantum_dropping_highest_rank() -> None:
+    sim = Sim(min_nodes=2, max_nodes=4, node_quantum=2)
+    first = sim.start("a", "b", "c", "d")
+    assert ids(first) == ["a", "b", "c", "d"]
+    opened = only_round(sim.send(LeaseLost("b"), 1.0))
+    assert ids(opened) == ["a", "c"]
+    assert sim.state_of("d") is NodeState.WAITING
+
+
+def test_shrink_takes_in_waiting_nodes_after_survivors() -> None:
+    sim = Sim(max_nodes=3)
+    sim.start("b", "c", "d")
+    sim.register("a")
+    opened = only_round(sim.send(LeaseLost("c"), 1.0))
+    assert ids(opened) == ["b", "d", "a"]
+
+
+# --- regrow ---------------------------------------------------------------------------------------
+
+
+def test_regrow_waits_for_next_checkpoint_then_appends_newcomers() -> None:
+    sim = Sim(regrow_cooldown=0.0)
+    sim.start("b", "c")
+    sim.progress(1, dt=1.0)
+    assert rounds(sim.register("z", "a")) == []
+    assert rounds(sim.tick(50.0)) == []
+    opened = only_round(sim.send(CheckpointCommitted(10), 1.0))
+    assert ids(opened) == ["b", "c", "a", "z"]
+    assert opened.restore_step == 10
+    assert opened.number == 2
+
+
+def test_regrow_respects_cooldown() -> None:
+    sim = Sim(regrow_cooldown=30.0)
+    sim.start("a", "b")
+    sim.progress(1, dt=1.0)
+    sim.register("c")
+    assert rounds(sim.send(CheckpointCommitted(10), 5.0)) == []
+    assert rounds(sim.tick(30.0)) == []  # cool-down over, but no new checkpoint yet
+    opened = only_round(sim.send(CheckpointCommitted(20), 1.0))
+    assert ids(opened) == ["a", "b", "c"]
+    assert opened.restore_step == 20
+
+
+def test_regrow_at_once_when_round_has_not_trained_after_cooldown() -> None:
+    sim = Sim(regrow_cooldown=30.0)
+    sim.start("a", "b")
+    assert rounds(sim.register("c")) == []
+    assert rounds(sim.tick(29.0)) == []
+    opened = only_round(sim.tick(1.0))
+    assert ids(opened) == ["a", "b", "c"]
+
+
+def test_checkpoint_not_newer_than_restore_step_does_not_regrow() -> None:
+    sim = Sim(regrow_cooldown=0.0)
+    sim.send(CheckpointCommitted(50))
+    first = sim.start("a", "b")
+    assert first.restore_step == 50
+    sim.progress(51, dt=1.0)
+    sim.register("c")
+    assert rounds(sim.send(CheckpointCommitted(50), 1.0)) == []
+    assert rounds(sim.send(CheckpointCommitted(40), 1.0)) == []
+    assert only_round(sim.send(CheckpointCommitted(60), 1.0)).restore_step == 60
+
+
+def test_regrow_needs_a_full_quantum() -> None:
+    sim = Sim(min_nodes=2, max_nodes=6, node_quantum=2, regrow_cooldown=0.0)
+    sim.start("a", "b")
+    sim.progress(1, dt=1.0)
+    sim.register("c")
+    assert rounds(sim.send(CheckpointCommitted(10), 1.0)) == []
+    sim.register("d", "e")
+    opened = only_round(sim.send(CheckpointCommitted(20), 1.0))
+    assert ids(opened) == ["a", "b", "c", "d"]
+    assert sim.state_of("e") is NodeState.WAITING
+
+
+def test_no_regrow_beyond_max_nodes() -> None:
+    sim = Sim(max_nodes=2, regrow_cooldown=0.0)
+    sim.register("a", "b")
+    sim.progress(1, dt=1.0)
+    sim.register("c")
+    assert rounds(sim.send(CheckpointCommitted(10), 1.0)) == []
+
+
+def test_restore_step_is_newest_commit_even_out_of_order() -> None:
+    sim = Sim()
+    sim.send(CheckpointCommitted(30))
+    sim.send(CheckpointCommitted(10))
+    assert sim.start("a", "b").restore_step == 30
+
+
+# --- quarantine and operators ---------------------------------------------------------------------
+
+
+def test_quarantine_after_n_faults_until_uncordon() -> None:
+    sim = Sim(quarantine_faults=2, regrow_cooldown=0.0)
+    sim.start("a", "b", "c")
+    only_round(sim.send(LeaseLost("c"), 1.0))  # fault 1
+    sim.register("c")
+    sim.send(HealthVerdict("c", Health.TRANSIENT), 1.0)  # fault 2
+    assert sim.state_of("c") is NodeState.QUARANTINED
+    sim.send(HealthVerdict("c", Health.HEALTHY), 1.0)
+    sim.progress(1, dt=1.0)
+    assert rounds(sim.send(CheckpointCommitted(10), 1.0)) == []
+    assert sim.state_of("c") is NodeState.QUARANTINED
+    sim.send(Uncordon("c"), 1.0)
+    assert sim.state_of("c") is NodeState.WAITING
+    opened = only_round(sim.send(CheckpointCommitted(20), 1.0))
+    assert "c" in ids(opened)
+
+
+def test_faults_outside_window_do_not_quarantine() -> None:
+    sim = Sim(quarantine_faults=2, quarantine_window=10.0)
+    sim.register("a", "b", "c")
+    sim.send(HealthVerdict("c", Health.TRANSIENT), 1.0)
+    sim.send(HealthVerdict("c", Health.HEALTHY), 1.0)
+    sim.send(HealthVerdict("c", Health.TRANSIENT), 20.0)
+    assert sim.state_of("c") is not NodeState.QUARANTINED
+
+
+def test_quarantined_member_leaves_round_and_survives_reregistration() -> None:
+    sim = Sim(quarantine_faults=1)
+    sim.start("a", "b", "c")
+    opened = only_round(sim.send(HealthVerdict("a", Health.TRANSIENT), 1.0))
+    assert ids(opened) == ["b", "c"]
+    sim.send(LeaseLost("a"), 1.0)
+    sim.register("a")
+    assert sim.state_of("a") is NodeState.QUARANTINED
+
+
+def test_drain_member_opens_round_without_it() -> None:
+    sim = Sim()
+    sim.start("a", "b", "c")
+    opened = only_round(sim.send(Drain("b"), 1.0))
+    assert ids(opened) == ["a", "c"]
+    assert sim.state_of("b") is NodeState.DRAINED
+
+
+def test_cordoned_member_stays_until_world_changes_and_uncordon_lets_it_regrow() -> None:
+    sim = Sim(regrow_cooldown=0.0)
+    sim.start("a", "b", "c", "d")
+    assert sim.send(Cordon("b"), 1.0) == []
+    assert sim.state_of("b") is NodeState.CORDONED
+    sim.progress(1, dt=1.0)  # still in the round: its reports count, nothing stalls
+    opened = only_round(sim.send(LeaseLost("d"), 1.0))
+    assert ids(opened) == ["a", "c"]
+    assert sim.state_of("b") is NodeState.CORDONED
+    # round 2 has not trained yet and the cool-down is 0: uncordoning regrows at once
+    assert ids(only_round(sim.send(Uncordon("b"), 1.0))) == ["a", "c", "b"]
+
+
+def test_uncordon_of_a_member_makes_it_member_again() -> None:
+    sim = Sim()
+    sim.start("a", "b")
+    sim.send(Cordon("b"))
+    sim.send(Uncordon("b"))
+    assert sim.state_of("b") is NodeState.MEMBER
+
+
+# --- stalls ---------------------------------------------------------------------------------------
+
+
+def test_network_stall_excludes_the_node_others_cannot_reach() -> None:
+    sim = Sim(stall_timeout=20.0)
+    sim.start("a", "b", "c")
+    sim.progress(1, dt=1.0)
+    sim.send(PeerReachability("a", frozenset({"c"})))
+    sim.send(PeerReachability("b", frozenset({"c"})))
+    sim.send(PeerReachability("c", frozenset({"a", "b"})))
+    assert rounds(sim.tick(19.0)) == []
+    opened = only_round(sim.tick(1.0))
+    assert ids(opened) == ["a", "b"]
+    assert opened.number == 2
+    assert "c" in opened.reason
+    assert sim.machine.state.nodes["c"].faults == [sim.now]
+
+
+def test_network_stall_without_culprit_reopens_same_members() -> None:
+    sim = Sim(regrow_cooldown=0.0, stall_timeout=20.0)
+    sim.start("a", "b")
+    sim.progress(1, dt=1.0)
+    sim.register("c")  # waiting, but a no-culprit reopen takes in nobody new
+    sim.send(PeerReachability("a", frozenset({"b"})))
+    sim.send(PeerReachability("b", frozenset({"a"})))
+    opened = only_round(sim.tick(20.0))
+    assert ids(opened) == ["a", "b"]
+    assert opened.number == 2
+
+
+def test_stall_before_any_progress_counts_from_round_opening() -> None:
+    sim = Sim(stall_timeout=20.0)
+    sim.start("a", "b")
+    assert rounds(sim.tick(19.0)) == []
+    assert only_round(sim.tick(1.0)).number == 2
+
+
+def test_repeated_step_is_not_progress() -> None:
+    sim = Sim(stall_timeout=20.0)
+    sim.start("a", "b")
+    sim.progress(5, dt=1.0)
+    sim.progress(5, dt=10.0)
+    assert only_round(sim.tick(10.0)).number == 2
+
+
+def test_single_stalled_member_is_excluded() -> None:
+    sim = Sim(stall_timeout=20.0)
+    sim.start("a", "b", "c")
+    decisions: list[Decision] = []
+    for _ in range(3):
+        sim.now += 5.0
+        for node_id in ("a", "c"):
+            decisions += sim.send(ProgressReport(node_id, int(sim.now), sim.now))
+    assert decisions == []
+    sim.progress(1000, dt=4.0)  # b reports once: its clock restarts
+    for _ in range(5):
+        sim.now += 5.0
+        for node_id in ("a", "c"):
+            decisions += sim.send(ProgressReport(node_id, int(sim.now) + 1000, sim.now))
+    opened = only_round(decisions)
+    assert ids(opened) == ["a", "c"]
+    assert sim.state_of("b") is NodeState.WAITING
+
+
+def test_name_unreachable_node() -> None:
+    members = ["a", "b", "c", "d"]
+    assert name_unreachable_node(members, {"a": {"d"}, "b": {"d"}, "c": set()}) == "d"
+    assert name_unreachable_node(members, {"a": {"d"}}) is None  # 1 of 3 is no majority
+    assert name_unreachable_node(["a", "b"], {"a": {"b"}, "b": {"a"}}) is None
+    assert name_unreachable_node(["a", "b"], {"a": {"b"}}) == "b"
+    assert name_unreachable_node(["a"], {"a": {"x"}}) is None
+    assert name_unreachable_node(members, {"x": {"a"}, "y": {"a"}, "z": {"a"}}) is None
+
+
+# --- ignored input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        LeaseLost("ghost"),
+        HealthVerdict("ghost", Health.FATAL),
+        Drain("ghost"),
+        Cordon("ghost"),
+        Uncordon("ghost"),
+        ProgressReport("ghost", 3, 0.0),
+        PeerReachability("ghost", frozenset({"a"})),
+        NodeRegistered("a", "elsewhere", 8),  # duplicate registration
+        Uncordon("a"),  # nothing to lift
+        NodeRegistered("", "x", 8),
+        NodeRegistered("z", "", 8),
+        NodeRegistered("z", "x", 0),
+        NodeRegistered("z", "x", True),  # type: ignore[arg-type]
+        HealthVerdict("a", "fatal"),  # type: ignore[arg-type]
+        ProgressReport("a", -1, 0.0),
+        ProgressReport("a", 1.5, 0.0),  # type: ignore[arg-type]
+        CheckpointCommitted(-5),
+        PeerReachability("a", ["b"]),  # type: ignore[arg-type]
+        LeaseLost(7),  # type: ignore[arg-type]
+        object(),
+    ],
+)
+def test_unknown_duplicate_and_malformed_events_are_ignored(event: Event) -> None:
+    sim = Sim()
+    sim.start("a", "b")
+    before = copy.deepcopy(sim.machine.state)
+    assert sim.send(event, 1.0) == []
+    assert dataclasses.replace(sim.machine.state, now=before.now) == before
+
+
+def test_events_from_waiting_nodes_about_the_round_are_ignored() -> None:
+    sim = Sim(max_nodes=2)
+    sim.register("a", "b", "c")
+    assert sim.send(ProgressReport("c", 1, 0.0)) == []
+    assert sim.send(PeerReachability("c", frozenset({"a"}))) == []
+    assert sim.machine.state.nodes["c"].last_step is None
+
+
+@pytest.mark.parametrize("now", [math.nan, math.inf, "1"])
+def test_non_finite_time_is_ignored(now: object) -> None:
+    sim = Sim(max_nodes=2)
+    sim.register("a")
+    assert sim.machine.handle(NodeRegistered("b", "b.example", 8), now) == []  # type: ignore[arg-type]
+    assert "b" not in sim.machine.state.nodes
+
+
+def test_time_going_backwards_is_treated_as_latest() -> None:
+    sim = Sim()
+    sim.register("a", "b")
+    assert rounds(sim.machine.handle(Tick(), 11.0))
+    assert sim.machine.handle(Tick(), 5.0) == []
+    assert sim.machine.state.now == 11.0
+
+
+def test_transition_table_rejects_forbidden_moves() -> None:
+    check_transition("a", NodeState.WAITING, NodeState.MEMBER)
+    with pytest.raises(TransitionError):
+        check_transition("a", NodeState.LOST, NodeState.MEMBER)
+    with pytest.raises(TransitionError):
+        check_transition("a", NodeState.QUARANTINED, NodeState.MEMBER)
