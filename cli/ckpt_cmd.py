@@ -1,0 +1,193 @@
+"""``stalwart ckpt``: list, verify, inspect and garbage-collect checkpoints under a root.
+
+Exit codes: 0 all good; 1 a checkpoint is corrupt or unreadable (verify, inspect); 3 no such
+checkpoint (or none at all).
+
+``stalwart.ckpt`` (and so torch) is imported only when a ckpt action runs, so that other commands
+start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+EXIT_OK, EXIT_BAD, EXIT_NOT_FOUND = 0, 1, 3
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="list, verify, inspect and garbage-collect checkpoints")
+    cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+
+    ls = cmds.add_parser("list", help="checkpoints under ROOT, oldest first")
+    ls.add_argument("root")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(func=run_list)
+
+    ver = cmds.add_parser("verify", help="read every chunk and check every checksum (exit 1 if any fails)")
+    ver.add_argument("root")
+    ver.add_argument("step", nargs="?", type=int, help="one step; default: every committed checkpoint")
+    ver.add_argument("--no-mark", action="store_true", help="do not record a successful verify")
+    ver.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                     help="progress lines on stderr: auto shows them once a verify takes over a second")
+    ver.set_defaults(func=run_verify)
+
+    ins = cmds.add_parser("inspect", help="tensors, layouts, sizes and compression ratio of one checkpoint")
+    ins.add_argument("root")
+    ins.add_argument("step", type=int)
+    ins.add_argument("--json", action="store_true", help="machine-readable output")
+    ins.set_defaults(func=run_inspect)
+
+    gc = cmds.add_parser("gc", help="remove checkpoints outside the retention policy and unfinished saves")
+    gc.add_argument("root")
+    gc.add_argument("--keep-last", type=int, default=3, help="newest committed checkpoints to keep (default 3)")
+    gc.add_argument("--keep-every", type=int, default=0, help="also keep steps that are multiples of this")
+    gc.add_argument("--grace-s", type=float, default=3600.0,
+                    help="unfinished saves newer than every commit are kept this long (default 3600)")
+    gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    gc.set_defaults(func=run_gc)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from stalwart.ckpt import CheckpointError, inspect, list_checkpoints
+
+    infos = list_checkpoints(args.root)
+    rows = []
+    for info in infos:
+        try:
+            summary = inspect(args.root, info.step) if info.committed else None
+            state = "committed" if info.committed else "unfinished"
+        except CheckpointError as exc:
+            summary, state = None, f"unreadable ({type(exc).__name__})"
+        rows.append(
+            {
+                "step": info.step,
+                "state": state,
+                "verified": bool(summary and info.verified_digest == summary["manifest_digest"]),
+                "world_size": summary["world_size"] if summary else None,
+                "logical_bytes": summary["logical_bytes"] if summary else None,
+                "stored_bytes": summary["file_bytes"] if summary else None,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK if rows else EXIT_NOT_FOUND
+    if not rows:
+        print(f"no checkpoints under {args.root}")
+        return EXIT_NOT_FOUND
+    print(f"{'step':>12}  {'state':<24} {'verified':<8} {'world':>5} {'size':>10} {'on disk':>10}")
+    for r in rows:
+        logical = _size(r["logical_bytes"]) if r["logical_bytes"] is not None else "-"
+        stored = _size(r["stored_bytes"]) if r["stored_bytes"] is not None else "-"
+        world = r["world_size"] if r["world_size"] is not None else "-"
+        print(f"{r['step']:>12}  {r['state']:<24} {'yes' if r['verified'] else 'no':<8} {world:>5} "
+              f"{logical:>10} {stored:>10}")
+    return EXIT_OK
+
+
+class _Progress:
+    """Progress lines on stderr, at most every half second (``auto``: once a verify runs over a second)."""
+
+    def __init__(self, step: int, mode: str) -> None:
+        self.step, self.mode = step, mode
+        self.started = time.monotonic()
+        self.last = 0.0 if mode == "always" else self.started
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if self.mode == "never" or (self.mode == "auto" and now - self.started < 1.0):
+            return
+        if self.last and now - self.last < 0.5 and done < total:
+            return
+        self.last = now
+        pct = 100.0 * done / total if total else 100.0
+        print(f"verify step {self.step}: {pct:5.1f}% ({_size(done)} of {_size(total)})", file=sys.stderr, flush=True)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from stalwart.ckpt import CheckpointNotFound, list_checkpoints, verify
+
+    if args.step is not None:
+        steps = [args.step]
+    else:
+        steps = [c.step for c in list_checkpoints(args.root) if c.committed]
+        if not steps:
+            print(f"no committed checkpoints under {args.root}")
+            return EXIT_NOT_FOUND
+    worst = EXIT_OK
+    for step in steps:
+        try:
+            report = verify(args.root, step, progress=_Progress(step, args.progress), mark=not args.no_mark)
+        except CheckpointNotFound as exc:
+            print(f"step {step}: NOT FOUND: {exc}")
+            worst = max(worst, EXIT_NOT_FOUND)
+            continue
+        if report.ok:
+            print(f"step {step}: OK ({report.files_checked} files, {_size(report.bytes_checked)})")
+            continue
+        worst = max(worst, EXIT_BAD)
+        print(f"step {step}: {len(report.problems)} problem(s)")
+        for problem in report.problems:
+            print(f"  {type(problem).__name__}: {problem}")
+    return worst
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from stalwart.ckpt import CheckpointError, CheckpointNotFound, inspect
+
+    try:
+        summary = inspect(args.root, args.step)
+    except CheckpointNotFound as exc:
+        print(f"not found: {exc}")
+        return EXIT_NOT_FOUND
+    except CheckpointError as exc:
+        print(f"{type(exc).__name__}: {exc}")
+        return EXIT_BAD
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return EXIT_OK
+    print(f"step {summary['step']}  format {summary['format_version']}  world size {summary['world_size']}  "
+          f"manifest {summary['manifest_digest']}")
+    print(f"{_size(summary['logical_bytes'])} of tensors in {_size(summary['file_bytes'])} on disk, "
+          f"compression ratio {summary['compression_ratio']:.2f}")
+    print(f"{'tensor':<40} {'dtype':<9} {'shape':<20} {'size':>10} {'ratio':>6}  parts")
+    for t in summary["tensors"]:
+        ratio = t["raw_bytes"] / t["stored_bytes"] if t["stored_bytes"] else 1.0
+        layouts = ", ".join(
+            f"r{p['rank']}:" + ("flat" + str(p["region"]["flat"]) if "flat" in p["region"]
+                                else "box@" + str(p["region"]["offsets"]) + "+" + str(p["region"]["lengths"]))
+            for p in t["parts"][:4]
+        )
+        if len(t["parts"]) > 4:
+            layouts += f", ... ({len(t['parts'])} parts)"
+        print(f"{t['name']:<40} {t['dtype']:<9} {str(t['shape']):<20} {_size(t['raw_bytes']):>10} {ratio:>6.2f}  "
+              f"{layouts}")
+    return EXIT_OK
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    from stalwart.ckpt import RetentionPolicy, collect_garbage
+
+    try:
+        policy = RetentionPolicy(args.keep_last, args.keep_every, args.grace_s)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report = collect_garbage(args.root, policy, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} committed: {report.removed or 'none'}")
+    print(f"{verb} unfinished: {report.garbage_removed or 'none'}")
+    if report.busy:
+        print(f"in use, kept: {report.busy}")
+    print(f"kept: {report.kept or 'none'}")
+    return EXIT_OK
