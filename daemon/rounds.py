@@ -1,7 +1,8 @@
 """The rendezvous daemon's pure round logic: events in, decisions out, no I/O and no clock.
 
-The loop around it reads etcd and the clock, and calls ``RoundMachine.handle(event, now)`` for each
-event (and a :class:`Tick` every second or so); it writes each returned decision. ``now`` is the
+The loop around it reads etcd and the clock, and calls ``RoundMachine.handle_batch(events, now)``
+with each watch response (``handle(event, now)`` for one event, a :class:`Tick` every second or so);
+it writes each returned decision, in order. ``now`` is the
 loop's monotonic clock in seconds; a value older than the newest seen is treated as the newest.
 
 Rules, in the order the machine applies them:
@@ -31,7 +32,8 @@ Unknown node ids, duplicate registrations, events about nodes outside the world 
 events are logged and ignored: ``handle`` never raises for an event's content.
 
 Cost: a registration, health verdict or progress report is O(1); opening a round is
-O(n log n) in the number of nodes; so is the occasional scan for a single stalled member.
+O(n log n) in the number of nodes; so is the occasional scan for a single stalled member. Events
+handled in one batch change the world at most once.
 """
 
 from __future__ import annotations
@@ -141,6 +143,9 @@ class RoundMachine:
     def __init__(self, policy: RoundPolicy, state: MachineState | None = None) -> None:
         self.policy = policy
         self.state = state if state is not None else MachineState()
+        # Collected while one batch is applied, acted on once at its end.
+        self._broken: list[str] = []
+        self._regrow_trigger: str | None = None
 
     # --- entry point ----------------------------------------------------------------------------
 
@@ -150,49 +155,65 @@ class RoundMachine:
         Never raises for an event's content; a non-finite ``now`` or a malformed event is logged
         and ignored. Time-based rules are checked on every call, not only on :class:`Tick`.
         """
+        return self.handle_batch((event,), now)
+
+    def handle_batch(self, events: Iterable[Event], now: float) -> list[Decision]:
+        """Apply ``events`` in order, all at time ``now``, then decide once.
+
+        Feed a whole etcd watch response at once: when 1 % of the nodes lose their leases together,
+        the world changes once instead of once per node. At most one returned decision opens or
+        closes a round. Never raises for an event's content (see :meth:`handle`).
+        """
         if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
-            log.warning("round %d: ignored %r: time %r is not a finite number", self._round_no(), event, now)
+            log.warning("round %d: ignored %r: time %r is not a finite number", self._round_no(), events, now)
             return []
         st = self.state
         st.now = now = max(float(now), st.now)
-        problem = _malformed(event)
-        if problem is not None:
-            log.warning("round %d: ignored malformed event %r: %s", self._round_no(), event, problem)
-            return []
-        decisions = self._dispatch(event, now)
-        if not decisions:
-            decisions = self._evaluate(now)
-        return decisions
+        self._broken, self._regrow_trigger = [], None
+        for event in events:
+            problem = _malformed(event)
+            if problem is not None:
+                log.warning("round %d: ignored malformed event %r: %s", self._round_no(), event, problem)
+                continue
+            self._dispatch(event, now)
+        decisions: list[Decision] = []
+        if self._broken and st.round is not None:
+            causes = self._broken
+            why = "; ".join(causes[:3]) + (f"; and {len(causes) - 3} more" if len(causes) > 3 else "")
+            decisions = self._reopen(now, why)
+        elif self._regrow_trigger is not None:
+            decisions = self._regrow(now, self._regrow_trigger)
+        return decisions or self._evaluate(now)
 
-    def _dispatch(self, event: Event, now: float) -> list[Decision]:
+    def _dispatch(self, event: Event, now: float) -> None:
         if isinstance(event, NodeRegistered):
-            return self._on_registered(event, now)
-        if isinstance(event, LeaseLost):
-            return self._on_lease_lost(event, now)
-        if isinstance(event, HealthVerdict):
-            return self._on_health(event, now)
-        if isinstance(event, ProgressReport):
-            return self._on_progress(event, now)
-        if isinstance(event, CheckpointCommitted):
-            return self._on_checkpoint(event, now)
-        if isinstance(event, Drain):
-            return self._on_drain(event, now)
-        if isinstance(event, Cordon):
-            return self._on_cordon(event)
-        if isinstance(event, Uncordon):
-            return self._on_uncordon(event)
-        if isinstance(event, PeerReachability):
-            return self._on_reachability(event)
-        return []  # Tick: only the time-based rules in _evaluate
+            self._on_registered(event, now)
+        elif isinstance(event, LeaseLost):
+            self._on_lease_lost(event, now)
+        elif isinstance(event, HealthVerdict):
+            self._on_health(event, now)
+        elif isinstance(event, ProgressReport):
+            self._on_progress(event, now)
+        elif isinstance(event, CheckpointCommitted):
+            self._on_checkpoint(event)
+        elif isinstance(event, Drain):
+            self._on_drain(event)
+        elif isinstance(event, Cordon):
+            self._on_cordon(event)
+        elif isinstance(event, Uncordon):
+            self._on_uncordon(event)
+        elif isinstance(event, PeerReachability):
+            self._on_reachability(event)
+        # Tick: nothing to apply; the time-based rules run after every batch
 
     # --- event handlers -------------------------------------------------------------------------
 
-    def _on_registered(self, ev: NodeRegistered, now: float) -> list[Decision]:
+    def _on_registered(self, ev: NodeRegistered, now: float) -> None:
         st = self.state
         rec = st.nodes.get(ev.node_id)
         if rec is not None and rec.registered:
             log.info("round %d: node %s: ignored duplicate registration", self._round_no(), ev.node_id)
-            return []
+            return
         if st.first_registered_at is None:
             st.first_registered_at = now
         if rec is None:
@@ -201,7 +222,7 @@ class RoundMachine:
             log.info("round %d: node %s: registered at %s with %d devices, waiting",
                      self._round_no(), ev.node_id, ev.address, ev.devices)
             self._sync(rec)
-            return []
+            return
         rec.address, rec.devices = ev.address, ev.devices
         rec.registered = True
         rec.health, rec.health_detail = Health.HEALTHY, ""
@@ -211,32 +232,30 @@ class RoundMachine:
             log.info("round %d: node %s: registered again, still %s",
                      self._round_no(), rec.node_id, rec.state.value)
             self._sync(rec)
-        return []
 
-    def _on_lease_lost(self, ev: LeaseLost, now: float) -> list[Decision]:
+    def _on_lease_lost(self, ev: LeaseLost, now: float) -> None:
         rec = self._known(ev.node_id, "lease lost")
         if rec is None:
-            return []
+            return
         if not rec.registered:
             log.info("round %d: node %s: ignored lease loss, not registered", self._round_no(), rec.node_id)
-            return []
+            return
         counts = rec.health is Health.HEALTHY and rec.state not in HELD
         rec.registered = False
         if not (counts and self._fault(rec, now, "lease lost")) and rec.state not in HELD:
             self._move(rec, NodeState.LOST, "lease lost")
         self._sync(rec)
         if self._in_round(rec.node_id):
-            return self._reopen(now, f"node {rec.node_id} lease lost")
-        return []
+            self._broken.append(f"node {rec.node_id} lease lost")
 
-    def _on_health(self, ev: HealthVerdict, now: float) -> list[Decision]:
+    def _on_health(self, ev: HealthVerdict, now: float) -> None:
         rec = self._known(ev.node_id, f"health {ev.health.value}")
         if rec is None:
-            return []
+            return
         before = rec.health
         rec.health, rec.health_detail = ev.health, ev.detail
         if before is ev.health:
-            return []
+            return
         why = f"health {before.value} -> {ev.health.value}" + (f" ({ev.detail})" if ev.detail else "")
         log.info("round %d: node %s: %s", self._round_no(), rec.node_id, why)
         if rec.registered and rec.state not in HELD:
@@ -250,26 +269,24 @@ class RoundMachine:
         if self._in_round(rec.node_id) and (
             rec.health is Health.FATAL or rec.state is NodeState.QUARANTINED
         ):
-            return self._reopen(now, f"node {rec.node_id} {why}")
-        return []
+            self._broken.append(f"node {rec.node_id} {why}")
 
-    def _on_progress(self, ev: ProgressReport, now: float) -> list[Decision]:
+    def _on_progress(self, ev: ProgressReport, now: float) -> None:
         rnd = self.state.round
         if rnd is None or not self._in_round(ev.node_id):
             log.info("round %d: node %s: ignored progress report, not in the world",
                      self._round_no(), ev.node_id)
-            return []
+            return
         rec = self.state.nodes[ev.node_id]
         if rec.last_step is not None and ev.step <= rec.last_step:
-            return []  # a repeated step is a heartbeat, not progress
+            return  # a repeated step is a heartbeat, not progress
         rec.last_step, rec.last_progress_at = ev.step, now
         rnd.last_progress_at = now
         if not rnd.training:
             rnd.training = True
             log.info("round %d: training started (node %s at step %d)", rnd.number, rec.node_id, ev.step)
-        return []
 
-    def _on_checkpoint(self, ev: CheckpointCommitted, now: float) -> list[Decision]:
+    def _on_checkpoint(self, ev: CheckpointCommitted) -> None:
         st = self.state
         if st.committed_step is None or ev.step > st.committed_step:
             st.committed_step = ev.step
@@ -277,41 +294,38 @@ class RoundMachine:
                  self._round_no(), ev.step, st.committed_step)
         rnd = st.round
         if rnd is not None and rnd.training and (rnd.restore_step is None or ev.step > rnd.restore_step):
-            return self._regrow(now, f"checkpoint at step {ev.step} committed")
-        return []
+            self._regrow_trigger = f"checkpoint at step {ev.step} committed"
 
-    def _on_drain(self, ev: Drain, now: float) -> list[Decision]:
+    def _on_drain(self, ev: Drain) -> None:
         rec = self._known(ev.node_id, "drain")
         if rec is None:
-            return []
+            return
         if rec.state in (NodeState.DRAINED, NodeState.QUARANTINED):
             log.info("round %d: node %s: ignored drain, already %s",
                      self._round_no(), rec.node_id, rec.state.value)
-            return []
+            return
         self._move(rec, NodeState.DRAINED, "drained by operator")
         if self._in_round(rec.node_id):
-            return self._reopen(now, f"node {rec.node_id} drained by operator")
-        return []
+            self._broken.append(f"node {rec.node_id} drained by operator")
 
-    def _on_cordon(self, ev: Cordon) -> list[Decision]:
+    def _on_cordon(self, ev: Cordon) -> None:
         rec = self._known(ev.node_id, "cordon")
         if rec is None:
-            return []
+            return
         if rec.state in HELD:
             log.info("round %d: node %s: ignored cordon, already %s",
                      self._round_no(), rec.node_id, rec.state.value)
-            return []
+            return
         self._move(rec, NodeState.CORDONED, "cordoned by operator")
-        return []
 
-    def _on_uncordon(self, ev: Uncordon) -> list[Decision]:
+    def _on_uncordon(self, ev: Uncordon) -> None:
         rec = self._known(ev.node_id, "uncordon")
         if rec is None:
-            return []
+            return
         if rec.state not in HELD:
             log.info("round %d: node %s: ignored uncordon, node is %s",
                      self._round_no(), rec.node_id, rec.state.value)
-            return []
+            return
         rec.faults.clear()
         if not rec.registered:
             target = NodeState.LOST
@@ -322,15 +336,13 @@ class RoundMachine:
         else:
             target = NodeState.WAITING
         self._move(rec, target, "uncordoned by operator")
-        return []
 
-    def _on_reachability(self, ev: PeerReachability) -> list[Decision]:
+    def _on_reachability(self, ev: PeerReachability) -> None:
         if not self._in_round(ev.node_id):
             log.info("round %d: node %s: ignored reachability report, not in the world",
                      self._round_no(), ev.node_id)
-            return []
+            return
         self.state.nodes[ev.node_id].unreachable = frozenset(ev.unreachable)
-        return []
 
     # --- rules that depend on time or counts ----------------------------------------------------
 

@@ -487,6 +487,38 @@ def test_name_unreachable_node() -> None:
     assert name_unreachable_node(members, {"x": {"a"}, "y": {"a"}, "z": {"a"}}) is None
 
 
+# --- batches -------------------------------------------------------------------------------------
+
+
+def test_losses_in_one_batch_change_the_world_once() -> None:
+    sim = Sim(max_nodes=8)
+    sim.start(*"abcdefgh")
+    decisions = sim.machine.handle_batch([LeaseLost("b"), LeaseLost("e"), LeaseLost("ghost"), Tick()], 1.0)
+    assert ids(only_round(decisions)) == ["a", "c", "d", "f", "g", "h"]
+    assert len(decisions) == 1
+
+
+def test_batch_with_malformed_event_applies_the_rest() -> None:
+    sim = Sim(max_nodes=3)
+    decisions = sim.machine.handle_batch(
+        [NodeRegistered("a", "a.example", 8), ProgressReport("a", -1, 0.0), NodeRegistered("b", "b.example", 8),
+         NodeRegistered("c", "c.example", 8)],
+        0.0,
+    )
+    assert ids(only_round(decisions)) == ["a", "b", "c"]
+
+
+def test_batch_loss_and_checkpoint_open_one_round_with_newcomers() -> None:
+    sim = Sim(regrow_cooldown=0.0)
+    sim.start("a", "b", "c")
+    sim.progress(1, dt=1.0)
+    sim.register("d")
+    decisions = sim.machine.handle_batch([CheckpointCommitted(7), LeaseLost("a")], sim.now + 1.0)
+    opened = only_round(decisions)
+    assert ids(opened) == ["b", "c", "d"]
+    assert opened.restore_step == 7
+
+
 # --- ignored input --------------------------------------------------------------------------------
 
 

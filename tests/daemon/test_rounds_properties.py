@@ -83,7 +83,7 @@ _DT = st.floats(0.0, 12.0, allow_nan=False)
 @st.composite
 def scripts(draw: st.DrawFn) -> list[tuple[float, Event]]:
     """Most nodes register first (so rounds open), then anything happens."""
-    first = draw(st.lists(st.sampled_from(NODES), unique=True, max_size=len(NODES)))
+    first = draw(st.lists(st.sampled_from(NODES), unique=True, min_size=3, max_size=len(NODES)))
     prefix: list[tuple[float, Event]] = [(draw(st.floats(0.0, 2.0)), NodeRegistered(n, f"{n}.ip", 8)) for n in first]
     return prefix + draw(st.lists(st.tuples(_DT, events), max_size=80))
 
@@ -160,19 +160,22 @@ def check_state(machine: RoundMachine) -> None:
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(policy=policies(), script=steps)
+@given(policy=policies(), script=steps, batch=st.integers(1, 4))
 def test_random_event_sequences_keep_round_invariants(
-    policy: RoundPolicy, script: list[tuple[float, Event]]
+    policy: RoundPolicy, script: list[tuple[float, Event]], batch: int
 ) -> None:
+    """Events go in one by one or in batches of up to ``batch`` (the time of a batch's first)."""
     machine = RoundMachine(policy)
     shadow = Shadow()
     now = 0.0
     last_number = 0
     open_number: int | None = None
-    for dt, event in script:
-        now += dt
-        shadow.apply(event)
-        decisions = machine.handle(event, now)
+    for start in range(0, len(script), batch):
+        chunk = script[start:start + batch]
+        now += chunk[0][0]
+        for _, event in chunk:
+            shadow.apply(event)
+        decisions = machine.handle_batch([event for _, event in chunk], now)
         changes = [d for d in decisions if isinstance(d, (OpenRound, CloseRound))]
         assert len(changes) <= 1
         for decision in decisions:
