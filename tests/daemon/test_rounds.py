@@ -7,7 +7,6 @@ import dataclasses
 import math
 
 import pytest
-
 from stalwart.daemon.errors import TransitionError
 from stalwart.daemon.nodes import NodeState, check_transition
 from stalwart.daemon.policy import PolicyError, RoundPolicy
@@ -36,10 +35,10 @@ class Sim:
     """A machine plus a clock the test moves by hand."""
 
     def __init__(self, **policy: object) -> None:
-        defaults: dict[str, object] = dict(
-            min_nodes=2, max_nodes=4, join_timeout=10.0, regrow_cooldown=30.0,
-            quarantine_faults=3, quarantine_window=100.0, stall_timeout=1000.0,
-        )
+        defaults: dict[str, object] = {
+            "min_nodes": 2, "max_nodes": 4, "join_timeout": 10.0, "regrow_cooldown": 30.0,
+            "quarantine_faults": 3, "quarantine_window": 100.0, "stall_timeout": 1000.0,
+        }
         defaults.update(policy)
         self.machine = RoundMachine(RoundPolicy.from_mapping(defaults))
         self.now = 0.0
@@ -241,9 +240,8 @@ def test_below_min_closes_round_and_waits_with_reason() -> None:
     sim = Sim(min_nodes=3)
     sim.start("a", "b", "c")
     decisions = sim.send(LeaseLost("b"), 1.0)
-    assert [type(d) for d in decisions] == [CloseRound, Status]
-    assert decisions[0].number == 1
-    status = decisions[1]
+    closed, status = decisions
+    assert isinstance(closed, CloseRound) and closed.number == 1
     assert isinstance(status, Status)
     assert "2 healthy nodes" in status.reason and "min_nodes=3" in status.reason
     assert sim.state_of("a") is NodeState.WAITING
@@ -537,7 +535,7 @@ def test_batch_loss_and_checkpoint_open_one_round_with_newcomers() -> None:
         NodeRegistered("", "x", 8),
         NodeRegistered("z", "", 8),
         NodeRegistered("z", "x", 0),
-        NodeRegistered("z", "x", True),  # type: ignore[arg-type]
+        NodeRegistered("z", "x", True),
         HealthVerdict("a", "fatal"),  # type: ignore[arg-type]
         ProgressReport("a", -1, 0.0),
         ProgressReport("a", 1.5, 0.0),  # type: ignore[arg-type]
