@@ -8,6 +8,8 @@ Layout (see DESIGN.md)::
     /stalwart/<job>/leader              daemon leader, bound to the leader's lease
     /stalwart/<job>/round               current round
     /stalwart/<job>/ckpt/<step>         commit record of a checkpoint
+    /stalwart/<job>/torchrun/state      torchrun rendezvous state (``--rdzv-backend stalwart``)
+    /stalwart/<job>/torchrun/store/...  torchrun rendezvous store keys (chosen by torch)
 
 Steps are zero-padded so that a prefix read returns checkpoints in step order.
 """
@@ -32,6 +34,7 @@ class Kind(Enum):
     CKPT = "ckpt"
     LEADER = "leader"
     ROUND = "round"
+    TORCHRUN = "torchrun"
 
 
 def check_name(what: str, name: str) -> str:
@@ -103,6 +106,15 @@ class JobKeys:
     def round(self) -> str:
         return self.prefix + Kind.ROUND.value
 
+    @property
+    def torchrun_state(self) -> str:
+        return self._per(Kind.TORCHRUN) + "state"
+
+    @property
+    def torchrun_store_prefix(self) -> str:
+        """Keys below it are named by torch's elastic agent, not by us."""
+        return self._per(Kind.TORCHRUN) + "store/"
+
     def parse(self, key: str) -> ParsedKey | None:
         """Classify a key under this job's prefix; None for keys this layout does not name."""
         if not key.startswith(self.prefix):
@@ -115,6 +127,8 @@ class JobKeys:
             return None
         if kind in (Kind.LEADER, Kind.ROUND):
             return ParsedKey(kind, None) if not sep else None
+        if kind is Kind.TORCHRUN:
+            return ParsedKey(kind, name) if sep and name else None
         if not sep or not name or "/" in name:
             return None
         if kind is Kind.CKPT:

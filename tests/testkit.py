@@ -12,3 +12,47 @@ def python_child(code: str, *args: str) -> subprocess.Popen[str]:
         [sys.executable, "-u", "-c", code, *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+
+
+def torchrun(script: str, *script_args: str, nnodes: str, endpoint: str, job: str, node: str,
+             backend: str = "stalwart", conf: str = "", extra_env: dict[str, str] | None = None,
+             nproc: int = 1, log_file: str | None = None) -> subprocess.Popen[bytes]:
+    """Start one torchrun (standing for one node) in its own process group."""
+    import os
+
+    conf_items = [c for c in (conf, f"node_id={node}" if backend == "stalwart" else "") if c]
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--max-restarts", "20", "--monitor-interval", "0.2", "--local-addr", "127.0.0.1",
+            "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", job]
+    if conf_items:
+        args += ["--rdzv-conf", ",".join(conf_items)]
+    env = dict(os.environ, STALWART_NODE=node, OMP_NUM_THREADS="1", **(extra_env or {}))
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    return subprocess.Popen([*args, script, *script_args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants at once, as a node losing power would.
+
+    torchrun starts its workers in sessions of their own, so killing torchrun's process group
+    alone leaves the workers running.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = [root, *root.children(recursive=True)]
+    for p in procs:
+        try:
+            p.suspend()  # freeze first, so no child can spawn or react while we kill
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)

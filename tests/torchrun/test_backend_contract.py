@@ -1,0 +1,129 @@
+"""The rendezvous backend and store on their own, against torch's documented contract."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+from stalwart.agent.torchrun_backend import EtcdRendezvousBackend, EtcdStore
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.config import EtcdConfig
+from stalwart.coord.keys import JobKeys
+from stalwart.coord.local import LocalEtcd, free_port
+
+from testkit import python_child
+
+SETTER = """
+import sys
+from stalwart.agent.torchrun_backend import EtcdRendezvousBackend
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.config import EtcdConfig
+from stalwart.coord.keys import JobKeys
+backend = EtcdRendezvousBackend(EtcdClient(EtcdConfig(endpoints=sys.argv[1], timeout=30)), JobKeys(sys.argv[2]))
+me, rounds = sys.argv[3], int(sys.argv[4])
+wins = 0
+for _ in range(rounds):
+    state, token = backend.get_state()
+    n = int(state.split(b":")[0])
+    new_state, new_token, ok = backend.set_state(f"{n + 1}:{me}".encode(), token)
+    assert new_token >= token
+    if ok:
+        assert new_state == f"{n + 1}:{me}".encode()
+        wins += 1
+print("WINS", wins, flush=True)
+"""
+
+
+def test_first_set_creates_then_token_fences(etcd_client: EtcdClient, key_prefix: str) -> None:
+    job = key_prefix.strip("/").replace("/", "-")
+    backend = EtcdRendezvousBackend(etcd_client, JobKeys(job))
+    assert backend.get_state() is None
+    state, token, ok = backend.set_state(b"a")  # type: ignore[misc]
+    assert ok and state == b"a"
+    lost = backend.set_state(b"b")  # no token: only when no state exists
+    assert lost is not None and lost[2] is False and lost[0] == b"a"
+    state, token2, ok = backend.set_state(b"c", token)  # type: ignore[misc]
+    assert ok and state == b"c" and token2 != token
+    stale = backend.set_state(b"d", token)  # the old token is no longer current
+    assert stale is not None and stale[:3] == (b"c", token2, False)
+    bogus = backend.set_state(b"e", "not-a-token")
+    assert bogus is not None and bogus[2] is False and bogus[0] == b"c"
+
+
+def test_concurrent_compare_and_set_from_processes(etcd_server: LocalEtcd, etcd_client: EtcdClient,
+                                                    key_prefix: str) -> None:
+    job = key_prefix.strip("/").replace("/", "-")
+    EtcdRendezvousBackend(etcd_client, JobKeys(job)).set_state(b"0:init")
+    procs = [python_child(SETTER, etcd_server.endpoints[0], job, f"p{i}", "40") for i in range(4)]
+    wins = 0
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            wins += int(out.split()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    state, _ = EtcdRendezvousBackend(etcd_client, JobKeys(job)).get_state()  # type: ignore[misc]
+    # Every successful set moved the counter by exactly one: no lost or doubled update.
+    assert int(state.split(b":")[0]) == wins > 0
+
+
+def test_state_survives_a_member_failure(make_etcd: Callable[..., LocalEtcd]) -> None:
+    etcd = make_etcd(3)
+    client = EtcdClient(etcd.client_config(timeout=10.0))
+    try:
+        backend = EtcdRendezvousBackend(client, JobKeys("survive"))
+        _, token, _ = backend.set_state(b"round-1")  # type: ignore[misc]
+        etcd.kill(etcd.endpoints.index(client.current_endpoint))
+        assert backend.get_state() == (b"round-1", token)
+        result = backend.set_state(b"round-2", token)
+        assert result is not None and result[2] and result[0] == b"round-2"
+    finally:
+        client.close()
+
+
+def test_unreachable_etcd_is_a_rendezvous_connection_error() -> None:
+    client = EtcdClient(EtcdConfig(endpoints=(f"127.0.0.1:{free_port()}",), timeout=1.0))
+    with pytest.raises(RendezvousConnectionError):
+        EtcdRendezvousBackend(client, JobKeys("x")).get_state()
+    client.close()
+
+
+def test_store_semantics(etcd_client: EtcdClient, key_prefix: str) -> None:
+    store = EtcdStore(etcd_client, key_prefix, timeout=timedelta(seconds=5))
+    prefixed = dist.PrefixStore("round.1", store)
+    prefixed.set("MASTER_ADDR", "127.0.0.1")
+    assert prefixed.get("MASTER_ADDR") == b"127.0.0.1"
+    assert prefixed.multi_get(["MASTER_ADDR"]) == [b"127.0.0.1"]
+    assert prefixed.check(["MASTER_ADDR"]) and not prefixed.check(["nope"])
+    assert store.compare_set("cs", "", "v1") == b"v1"
+    assert store.compare_set("cs", "wrong", "v2") == b"v1"
+    assert store.compare_set("cs", "v1", "v2") == b"v2"
+    assert store.delete_key("cs") and not store.delete_key("cs")
+
+    # add from several threads: every increment counted once
+    def bump() -> None:
+        for _ in range(20):
+            store.add("counter", 1)
+
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.add("counter", 0) == 80
+
+    # get blocks until another writer sets the key
+    threading.Timer(0.3, lambda: store.set("late", b"here")).start()
+    assert store.get("late") == b"here"
+    with pytest.raises(dist.DistStoreError):
+        store.wait(["never"], timedelta(seconds=0.5))
