@@ -1,8 +1,8 @@
 """What goes into the round state machine (events) and what comes out (decisions).
 
 Plain frozen dataclasses, free of etcd and protobuf: the daemon's loop decodes etcd values into
-events and encodes decisions into etcd writes. The machine checks every event's fields itself and
-ignores a malformed one, so constructors here do not validate.
+events and encodes decisions into etcd writes. Constructors do not validate: the machine asks
+:func:`malformed` about each event and ignores (and logs) one that has a reason.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ __all__ = [
     "Status",
     "Tick",
     "Uncordon",
+    "malformed",
 ]
 
 
@@ -192,3 +193,42 @@ class Status:
 
 
 Decision = OpenRound | CloseRound | Status
+
+_NODE_EVENTS = (NodeRegistered, LeaseLost, HealthVerdict, ProgressReport, Drain, Cordon, Uncordon,
+                PeerReachability)
+
+
+def _is_count(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def malformed(event: object) -> str | None:
+    """Why ``event`` cannot be applied (wrong type, empty node id, negative step, ...), or None
+    when it can. The state machine ignores an event for which this returns a reason."""
+    if isinstance(event, Tick):
+        return None
+    if isinstance(event, CheckpointCommitted):
+        return None if _is_count(event.step, 0) else f"step {event.step!r} is not a non-negative integer"
+    if not isinstance(event, _NODE_EVENTS):
+        return f"unknown event type {type(event).__name__}"
+    node_id = event.node_id
+    if not isinstance(node_id, str) or not node_id:
+        return f"node id {node_id!r} is not a non-empty string"
+    if isinstance(event, NodeRegistered):
+        if not isinstance(event.address, str) or not event.address:
+            return f"address {event.address!r} is not a non-empty string"
+        if not _is_count(event.devices, 1):
+            return f"devices {event.devices!r} is not a positive integer"
+    elif isinstance(event, HealthVerdict):
+        if not isinstance(event.health, Health):
+            return f"health {event.health!r} is not a Health"
+        if not isinstance(event.detail, str):
+            return f"detail {event.detail!r} is not a string"
+    elif isinstance(event, ProgressReport):
+        if not _is_count(event.step, 0):
+            return f"step {event.step!r} is not a non-negative integer"
+    elif isinstance(event, PeerReachability):
+        peers = event.unreachable
+        if not isinstance(peers, (set, frozenset)) or not all(isinstance(p, str) for p in peers):
+            return f"unreachable {peers!r} is not a set of node ids"
+    return None

@@ -26,7 +26,8 @@ Rules, in the order the machine applies them:
 
 Rank order: the surviving members of the previous round keep their relative order, then the
 newcomers follow sorted by node id; when the quantum or ``max_nodes`` leaves no room for all,
-the list is cut from the end (the highest ranks leave first). The first round is sorted by node id.
+the list is cut from the end (the highest ranks leave first). A round that opens while none is
+open (the first one, or after a wait below ``min_nodes``) is sorted by node id.
 
 Unknown node ids, duplicate registrations, events about nodes outside the world and malformed
 events are logged and ignored: ``handle`` never raises for an event's content.
@@ -61,17 +62,13 @@ from stalwart.daemon.round_events import (
     PeerReachability,
     ProgressReport,
     Status,
-    Tick,
     Uncordon,
+    malformed,
 )
 
 __all__ = ["MachineState", "RoundMachine", "RoundRecord", "name_unreachable_node"]
 
 log = logging.getLogger(__name__)
-
-_NODE_EVENTS = (NodeRegistered, LeaseLost, HealthVerdict, ProgressReport, Drain, Cordon, Uncordon,
-                PeerReachability)
-
 
 @dataclass
 class RoundRecord:
@@ -147,6 +144,35 @@ class RoundMachine:
         self._broken: list[str] = []
         self._regrow_trigger: str | None = None
 
+    @classmethod
+    def resume(cls, policy: RoundPolicy, current: OpenRound | None, last_round_number: int,
+               committed_step: int | None, now: float) -> RoundMachine:
+        """Rebuild a machine where a previous leader left off (a standby taking over).
+
+        ``current`` is the round record the previous leader wrote (None when its last word was
+        "no round"), ``last_round_number`` the highest round number ever written, so the next round
+        is numbered above both. Members of ``current`` start as registered, healthy members whose
+        stall clock and cool-down restart at ``now``. Then feed, in one :meth:`handle_batch`, what
+        etcd holds: every node record as :class:`NodeRegistered` (members' duplicates are ignored),
+        a :class:`LeaseLost` for each member that has no node record, health verdicts, progress
+        and commit records. Operator holds and fault counts are not in etcd and start empty.
+        """
+        machine = cls(policy)
+        st = machine.state
+        st.now = now
+        st.committed_step = committed_step
+        st.last_round_number = max(last_round_number, current.number if current else 0)
+        if current is not None:
+            members = tuple(m.node_id for m in current.members)
+            for m in current.members:
+                st.nodes[m.node_id] = NodeRecord(m.node_id, m.address, m.devices, state=NodeState.MEMBER)
+            st.round = RoundRecord(current.number, members, now, current.restore_step,
+                                   last_progress_at=now, stall_check_at=now + policy.stall_timeout)
+            st.first_registered_at = now
+        log.info("round %d: resumed with %d members, newest checkpoint %s",
+                 st.last_round_number, len(st.nodes), committed_step)
+        return machine
+
     # --- entry point ----------------------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Decision]:
@@ -171,7 +197,7 @@ class RoundMachine:
         st.now = now = max(float(now), st.now)
         self._broken, self._regrow_trigger = [], None
         for event in events:
-            problem = _malformed(event)
+            problem = malformed(event)
             if problem is not None:
                 log.warning("round %d: ignored malformed event %r: %s", self._round_no(), event, problem)
                 continue
@@ -559,38 +585,3 @@ def _healthy(n: int) -> str:
 
 def _or(value: float | None, default: float) -> float:
     return default if value is None else value
-
-
-def _is_count(value: object, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def _malformed(event: object) -> str | None:
-    """Why ``event`` cannot be applied, or None when it can."""
-    if isinstance(event, Tick):
-        return None
-    if isinstance(event, CheckpointCommitted):
-        return None if _is_count(event.step, 0) else f"step {event.step!r} is not a non-negative integer"
-    if not isinstance(event, _NODE_EVENTS):
-        return f"unknown event type {type(event).__name__}"
-    node_id = event.node_id
-    if not isinstance(node_id, str) or not node_id:
-        return f"node id {node_id!r} is not a non-empty string"
-    if isinstance(event, NodeRegistered):
-        if not isinstance(event.address, str) or not event.address:
-            return f"address {event.address!r} is not a non-empty string"
-        if not _is_count(event.devices, 1):
-            return f"devices {event.devices!r} is not a positive integer"
-    elif isinstance(event, HealthVerdict):
-        if not isinstance(event.health, Health):
-            return f"health {event.health!r} is not a Health"
-        if not isinstance(event.detail, str):
-            return f"detail {event.detail!r} is not a string"
-    elif isinstance(event, ProgressReport):
-        if not _is_count(event.step, 0):
-            return f"step {event.step!r} is not a non-negative integer"
-    elif isinstance(event, PeerReachability):
-        peers = event.unreachable
-        if not isinstance(peers, (set, frozenset)) or not all(isinstance(p, str) for p in peers):
-            return f"unreachable {peers!r} is not a set of node ids"
-    return None

@@ -517,6 +517,43 @@ def test_batch_loss_and_checkpoint_open_one_round_with_newcomers() -> None:
     assert opened.restore_step == 7
 
 
+# --- a standby taking over -----------------------------------------------------------------------
+
+
+def test_resume_continues_numbering_and_ranks_after_previous_leader() -> None:
+    leader = Sim(max_nodes=3)
+    leader.send(CheckpointCommitted(40))
+    current = only_round(leader.register("c", "a", "b"))
+    standby = RoundMachine.resume(leader.machine.policy, current, current.number, 40, now=100.0)
+    decisions = standby.handle_batch(
+        [NodeRegistered("a", "a.example", 8), NodeRegistered("c", "c.example", 8), LeaseLost("b"),
+         ProgressReport("a", 41, 0.0)],
+        100.0,
+    )
+    opened = only_round(decisions)
+    assert opened.number == current.number + 1
+    assert ids(opened) == ["a", "c"]
+    assert opened.restore_step == 40
+
+
+def test_resume_without_round_opens_next_number_once_enough_nodes() -> None:
+    policy = RoundPolicy(min_nodes=2, max_nodes=4, join_timeout=60.0)
+    standby = RoundMachine.resume(policy, None, last_round_number=7, committed_step=None, now=5.0)
+    decisions = standby.handle_batch([NodeRegistered("b", "b.example", 8), NodeRegistered("a", "a.example", 8)], 5.0)
+    opened = only_round(decisions)
+    assert opened.number == 8
+    assert ids(opened) == ["a", "b"]
+
+
+def test_resumed_round_keeps_running_without_events() -> None:
+    leader = Sim(max_nodes=2)
+    current = only_round(leader.register("a", "b"))
+    standby = RoundMachine.resume(leader.machine.policy, current, current.number, None, now=50.0)
+    assert standby.handle_batch([NodeRegistered("a", "a.example", 8), NodeRegistered("b", "b.example", 8)],
+                                50.0) == []
+    assert standby.state.round is not None and standby.state.round.number == current.number
+
+
 # --- ignored input --------------------------------------------------------------------------------
 
 
