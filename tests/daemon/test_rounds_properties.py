@@ -137,6 +137,16 @@ def check_open(decision: OpenRound, policy: RoundPolicy, shadow: Shadow, machine
     assert decision.reason
 
 
+def check_rank_order(new: list[str], previous: list[str] | None) -> None:
+    """Survivors of the previous open round first, in their old relative order; then newcomers
+    sorted by id. With no round open before, the whole list is sorted by id."""
+    old = previous or []
+    kept = [m for m in new if m in old]
+    assert new[:len(kept)] == kept
+    assert kept == [m for m in old if m in kept]
+    assert new[len(kept):] == sorted(new[len(kept):])
+
+
 def _kind(reason: str) -> str:
     for word in ("first round", "regrow", "network stall", "no progress", "lease lost", "health",
                  "drained", "available again"):
@@ -169,6 +179,7 @@ def test_random_event_sequences_keep_round_invariants(
     now = 0.0
     last_number = 0
     open_number: int | None = None
+    previous: list[str] | None = None
     for start in range(0, len(script), batch):
         chunk = script[start:start + batch]
         now += chunk[0][0]
@@ -182,11 +193,13 @@ def test_random_event_sequences_keep_round_invariants(
                 assert decision.number == last_number + 1
                 last_number = open_number = decision.number
                 check_open(decision, policy, shadow, machine)
+                check_rank_order([m.node_id for m in decision.members], previous)
+                previous = [m.node_id for m in decision.members]
                 note_event(f"opened: {_kind(decision.reason)}")
             elif isinstance(decision, CloseRound):
                 note_event("closed")
                 assert decision.number == open_number
-                open_number = None
+                open_number = previous = None
                 assert decision.reason
             else:
                 assert isinstance(decision, Status) and decision.reason
