@@ -21,6 +21,8 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -46,7 +48,7 @@ from stalwart.coord.config import EtcdConfig
 from stalwart.coord.errors import CoordError
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.txn import Get, Put, absent, mod_revision_is, value_is
-from stalwart.coord.watch import Watch
+from stalwart.coord.watch import EventType, Watch
 from stalwart.proto import records_pb2
 
 log = logging.getLogger(__name__)
@@ -70,10 +72,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return "stalwart"
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        try:
+        with _etcd_errors():
             kv = self._client.get(self._key)
-        except CoordError as exc:
-            raise RendezvousConnectionError(f"stalwart rendezvous: {exc}") from exc
         return None if kv is None else (kv.value, kv.mod_revision)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
@@ -88,10 +88,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             except (TypeError, ValueError):
                 token = -1  # a token not of ours can never be current
         guard = absent(self._key) if not token else mod_revision_is(self._key, token)
-        try:
+        with _etcd_errors():
             res = self._client.txn([guard], [Put(self._key, state)], [Get(self._key)])
-        except CoordError as exc:
-            raise RendezvousConnectionError(f"stalwart rendezvous: {exc}") from exc
         if res.succeeded:
             return state, res.revision, True  # our write's mod revision is the txn's revision
         current = res.gets[0] if res.gets else ()
@@ -134,72 +132,77 @@ class EtcdStore(Store):
         return self._timeout
 
     def set(self, key: str, value: Any) -> None:
-        self._call(lambda: self._client.put(self._key(key), self._bytes(value)))
+        with _etcd_errors():
+            self._client.put(self._key(key), self._bytes(value))
 
     def get(self, key: str) -> bytes:
         self.wait([key])
-        kv = self._call(lambda: self._client.get(self._key(key)))
+        with _etcd_errors():
+            kv = self._client.get(self._key(key))
         if kv is None:
             raise dist.DistStoreError(f"stalwart store: key {key!r} was deleted while waiting for it")
         return kv.value
 
     def add(self, key: str, num: int) -> int:
         full = self._key(key)
-        while True:
-            kv = self._call(lambda: self._client.get(full))
-            current = int(kv.value) if kv is not None else 0
-            new = current + num
-            # The value alone is not unique to this writer, so compare revisions, not values.
-            res = self._call(lambda: self._client.txn(
-                [absent(full)] if kv is None else [mod_revision_is(full, kv.mod_revision)], [Put(full, str(new).encode())]))
-            if res.succeeded:
-                return new
+        with _etcd_errors():
+            while True:
+                kv = self._client.get(full)
+                new = (int(kv.value) if kv is not None else 0) + num
+                # The value alone is not unique to this writer, so compare revisions, not values.
+                guard = absent(full) if kv is None else mod_revision_is(full, kv.mod_revision)
+                if self._client.txn([guard], [Put(full, str(new).encode())]).succeeded:
+                    return new
 
     def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
         full = self._key(key)
         expected, desired = self._bytes(expected_value), self._bytes(desired_value)
         guard = absent(full) if expected == b"" else value_is(full, expected)
-        res = self._call(lambda: self._client.txn([guard], [Put(full, desired)]))
+        with _etcd_errors():
+            res = self._client.txn([guard], [Put(full, desired)], [Get(full)])
         if res.succeeded:
             return desired
-        kv = self._call(lambda: self._client.get(full))
-        return kv.value if kv is not None else expected
+        current = res.gets[0] if res.gets else ()
+        return current[0].value if current else expected
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._call(lambda k=k: self._client.get(self._key(k))) is not None for k in keys)
+        with _etcd_errors():
+            return all(self._client.get(self._key(k)) is not None for k in keys)
 
     def delete_key(self, key: str) -> bool:
-        return bool(self._call(lambda: self._client.delete(self._key(key))))
+        with _etcd_errors():
+            return bool(self._client.delete(self._key(key)))
 
     def num_keys(self) -> int:
-        kvs, _ = self._call(lambda: self._client.get_prefix(self._prefix))
-        return len(kvs)
+        with _etcd_errors():
+            return len(self._client.get_prefix(self._prefix)[0])
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self._timeout).total_seconds()
         deadline = time.monotonic() + limit
         missing = {self._key(k) for k in keys}
-        kvs, revision = self._call(lambda: self._client.get_prefix(self._prefix))
-        missing -= {kv.key for kv in kvs}
-        if not missing:
-            return
-        with Watch(self._client, self._prefix, revision + 1) as watch:
-            while missing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise dist.DistStoreError(
-                        f"stalwart store: timed out after {limit:g} s waiting for {sorted(missing)}")
-                try:
+        with _etcd_errors():
+            kvs, revision = self._client.get_prefix(self._prefix)
+            missing -= {kv.key for kv in kvs}
+            if not missing:
+                return
+            with Watch(self._client, self._prefix, revision + 1) as watch:
+                while missing:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise dist.DistStoreError(
+                            f"stalwart store: timed out after {limit:g} s waiting for {sorted(missing)}")
                     events = watch.get(timeout=min(left, 1.0))
-                except CoordError as exc:
-                    raise RendezvousConnectionError(f"stalwart store: {exc}") from exc
-                missing -= {e.key for e in events if e.type.value == "put"}
+                    missing -= {e.key for e in events if e.type is EventType.PUT}
 
-    def _call(self, fn: Any) -> Any:
-        try:
-            return fn()
-        except CoordError as exc:
-            raise RendezvousConnectionError(f"stalwart store: {exc}") from exc
+
+@contextmanager
+def _etcd_errors() -> Iterator[None]:
+    """torch's elastic agent acts on RendezvousConnectionError; give it that for any etcd failure."""
+    try:
+        yield
+    except CoordError as exc:
+        raise RendezvousConnectionError(f"stalwart rendezvous: {exc}") from exc
 
 
 class StalwartRendezvousHandler(RendezvousHandler):
@@ -232,8 +235,10 @@ class StalwartRendezvousHandler(RendezvousHandler):
                 os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
             else:
                 os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = previous
-        log.info("stalwart rendezvous: node %s joined as rank %d of %d (master %s:%d)", self.node_id, info.rank,
-                 info.world_size, info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port)
+        boot = info.bootstrap_store_info
+        master = f"{boot.master_addr}:{boot.master_port}" if boot is not None else "unknown"
+        log.info("stalwart rendezvous: node %s joined as rank %d of %d (master %s)", self.node_id, info.rank,
+                 info.world_size, master)
         return info
 
     def _check_health(self) -> None:

@@ -179,7 +179,8 @@ class LocalEtcd:
                     except CoordError:
                         pass
                     if time.monotonic() > deadline:
-                        raise CoordError(f"etcd {m.name} at {m.endpoint} not ready within {timeout} s; see {m.log_file}")
+                        raise CoordError(
+                            f"etcd {m.name} at {m.endpoint} not ready within {timeout} s; see {m.log_file}")
                     time.sleep(0.05)
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:

@@ -7,7 +7,6 @@ import signal
 
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.local import LocalEtcd
-
 from testkit import python_child
 
 PROCS = 8

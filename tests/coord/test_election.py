@@ -16,7 +16,6 @@ from stalwart.coord.election import Election, Leadership
 from stalwart.coord.errors import NotLeader
 from stalwart.coord.lease import Lease
 from stalwart.coord.local import LocalEtcd
-
 from testkit import python_child
 
 TTL = 2

@@ -19,7 +19,8 @@ def test_every_key_is_under_the_job_prefix_and_parses_back() -> None:
         k.leader: (Kind.LEADER, None),
         k.round: (Kind.ROUND, None),
         k.torchrun_state: (Kind.TORCHRUN, "state"),
-        k.torchrun_store_prefix + "torch.rendezvous.j.3/MASTER_ADDR": (Kind.TORCHRUN, "store/torch.rendezvous.j.3/MASTER_ADDR"),
+        k.torchrun_store_prefix + "torch.rendezvous.j.3/MASTER_ADDR":
+            (Kind.TORCHRUN, "store/torch.rendezvous.j.3/MASTER_ADDR"),
     }
     for key, (kind, name) in cases.items():
         assert key.startswith(k.prefix)

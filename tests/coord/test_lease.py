@@ -13,7 +13,6 @@ from stalwart.coord.errors import LeaseLost
 from stalwart.coord.lease import Lease
 from stalwart.coord.local import LocalEtcd
 from stalwart.coord.watch import EventType, Watch, wait_for
-
 from testkit import python_child
 
 TTL = 2

@@ -17,7 +17,6 @@ from stalwart.coord.client import EtcdClient
 from stalwart.coord.config import EtcdConfig
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd, free_port
-
 from testkit import python_child
 
 SETTER = """
@@ -127,3 +126,57 @@ def test_store_semantics(etcd_client: EtcdClient, key_prefix: str) -> None:
     assert store.get("late") == b"here"
     with pytest.raises(dist.DistStoreError):
         store.wait(["never"], timedelta(seconds=0.5))
+
+
+def _handler(etcd_server: LocalEtcd, job: str, node: str):  # type: ignore[no-untyped-def]
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from stalwart.agent.torchrun_backend import create_rendezvous_handler
+
+    params = RendezvousParameters(backend="stalwart", endpoint=etcd_server.endpoints[0], run_id=job,
+                                  min_nodes=1, max_nodes=1, node_id=node, join_timeout=10)
+    return create_rendezvous_handler(params)
+
+
+@pytest.mark.parametrize("verdict", ["fatal", "cordoned"])
+def test_unhealthy_or_cordoned_node_does_not_join(etcd_server: LocalEtcd, etcd_client: EtcdClient,
+                                                  key_prefix: str, verdict: str,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    from stalwart.proto import records_pb2
+
+    job = key_prefix.strip("/").replace("/", "-").replace("[", "-").replace("]", "")
+    keys = JobKeys(job)
+    if verdict == "fatal":
+        record = records_pb2.HealthRecord(node_id="sick", state=records_pb2.HEALTH_FATAL, findings=[
+            records_pb2.Finding(source="nvml", device=3, state=records_pb2.HEALTH_FATAL, code="xid-79")])
+        etcd_client.put(keys.health("sick"), record.SerializeToString())
+    else:
+        etcd_client.put(keys.node("sick"), records_pb2.NodeRecord(node_id="sick", cordoned=True).SerializeToString())
+    handler = _handler(etcd_server, job, "sick")
+    try:
+        with caplog.at_level("ERROR"), pytest.raises(RendezvousError):
+            handler.next_rendezvous()
+        assert any("sick" in r.getMessage() and "does not join" in r.getMessage() for r in caplog.records)
+        assert etcd_client.get(keys.torchrun_state) is None  # it never touched the rendezvous
+    finally:
+        handler.shutdown()
+
+
+def test_healthy_node_joins_and_gets_a_fresh_master_per_round(etcd_server: LocalEtcd, etcd_client: EtcdClient,
+                                                              key_prefix: str) -> None:
+    job = key_prefix.strip("/").replace("/", "-")
+    handler = _handler(etcd_server, job, "well")
+    try:
+        first = handler.next_rendezvous()
+        assert (first.rank, first.world_size) == (0, 1)
+        assert handler.use_agent_store is False
+        second = handler.next_rendezvous()
+        assert second.bootstrap_store_info.master_port != 0
+        # each round publishes its own master address and port under its own store prefix
+        kvs, _ = etcd_client.get_prefix(JobKeys(job).torchrun_store_prefix)
+        published = {kv.key.rsplit("/", 2)[-2] for kv in kvs if kv.key.endswith("/MASTER_PORT")}
+        assert len(published) == 2, [kv.key for kv in kvs]
+    finally:
+        handler.shutdown()

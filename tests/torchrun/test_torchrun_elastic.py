@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from stalwart.coord.local import LocalEtcd, free_port
-
 from testkit import kill_tree, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
