@@ -1,0 +1,148 @@
+"""The agent's configuration: one TOML file, every setting overridable by a flag, validated once.
+
+    job = "llm-7b"
+    node_id = "gpu-node-017"          # default: the host name
+    command = ["python", "train.py"]  # what each worker runs
+    workers = 8                       # workers on this node
+    listen = "0.0.0.0:7077"           # the agent's gRPC service (TLS unless insecure = true)
+
+    [etcd]
+    endpoints = ["etcd1:2379", "etcd2:2379", "etcd3:2379"]
+
+A bad file gives one ``AgentConfigError`` line naming the setting.
+"""
+
+from __future__ import annotations
+
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from stalwart.coord.config import EtcdConfig
+from stalwart.coord.errors import EtcdConfigError
+from stalwart.coord.keys import check_name
+
+
+class AgentConfigError(ValueError):
+    """The agent's configuration is invalid; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Server TLS of the agent's gRPC service; with ``ca_file`` clients must present a certificate."""
+
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    job: str
+    command: tuple[str, ...]
+    node_id: str = field(default_factory=socket.gethostname)
+    workers: int = 1
+    listen: str = "127.0.0.1:0"
+    advertise: str | None = None  # address others reach this agent at; default: listen's
+    insecure: bool = False  # plain TCP for the gRPC service: only when explicitly asked
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
+    state_dir: str = "/var/lib/stalwart"  # worker logs and the progress socket
+    progress_socket: str | None = None  # default: <state_dir>/agent.sock
+    lease_ttl: int = 5
+    stop_grace: float = 10.0
+    probe: str = "auto"  # nvml, fake or auto
+    probe_interval: float = 1.0
+    fault_injection: bool = False
+    stall_floor: float = 10.0
+    stall_factor: float = 5.0
+    stall_first_step: float = 300.0
+    progress_interval: float = 5.0  # seconds between progress writes to etcd (rate limit)
+    peer_probe_interval: float = 5.0
+    metrics_port: int | None = None
+    cwd: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.command), "command", "must name the program each worker runs")
+        _check(self.workers >= 1, "workers", f"must be >= 1, got {self.workers}")
+        _check(self.lease_ttl >= 2, "lease_ttl", f"must be >= 2 s (etcd's minimum), got {self.lease_ttl}")
+        for name in ("stop_grace", "probe_interval", "progress_interval", "peer_probe_interval", "stall_floor",
+                     "stall_first_step"):
+            _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        _check(self.stall_factor >= 1, "stall_factor", f"must be >= 1, got {self.stall_factor}")
+        _check(self.probe in ("nvml", "fake", "auto"), "probe", f"must be nvml, fake or auto, got {self.probe!r}")
+        _check(":" in self.listen, "listen", f"must be HOST:PORT, got {self.listen!r}")
+        if not self.insecure:
+            _check(bool(self.tls.cert_file and self.tls.key_file), "tls",
+                   "the gRPC service needs tls.cert_file and tls.key_file, or insecure = true")
+        for name in ("job", "node_id"):
+            try:
+                check_name(name, getattr(self, name))
+            except EtcdConfigError as exc:
+                raise AgentConfigError(f"{name}: {exc}") from None
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.progress_socket) if self.progress_socket else Path(self.state_dir) / "agent.sock"
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.state_dir) / "logs"
+
+
+def _check(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise AgentConfigError(f"agent config: {name}: {why}")
+
+
+def _known(cls: Any, data: Mapping[str, Any], where: str) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise AgentConfigError(f"agent config: {where}{unknown[0]}: unknown setting (known: {sorted(known)})")
+
+
+def from_mapping(data: Mapping[str, Any]) -> AgentConfig:
+    data = dict(data)
+    _known(AgentConfig, data, "")
+    try:
+        if "etcd" in data:
+            _known(EtcdConfig, data["etcd"], "etcd.")
+            data["etcd"] = EtcdConfig.from_mapping(data["etcd"])
+        if "tls" in data:
+            _known(TLSConfig, data["tls"], "tls.")
+            data["tls"] = TLSConfig(**data["tls"])
+    except EtcdConfigError as exc:
+        raise AgentConfigError(f"agent config: etcd: {exc}") from None
+    for name in ("job", "command"):
+        if name not in data:
+            raise AgentConfigError(f"agent config: {name}: required setting is missing")
+    if isinstance(data["command"], str):
+        data["command"] = data["command"].split()
+    data["command"] = tuple(data["command"])
+    try:
+        return AgentConfig(**data)
+    except TypeError as exc:
+        raise AgentConfigError(f"agent config: {exc}") from None
+
+
+def load(path: str | Path, overrides: Mapping[str, Any] | None = None) -> AgentConfig:
+    """Read a TOML file, apply flag overrides (``None`` values are ignored), validate."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise AgentConfigError(f"agent config: {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise AgentConfigError(f"agent config: {path}: not valid TOML: {exc}") from None
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+    return from_mapping(data)
+
+
+def with_overrides(config: AgentConfig, **changes: Any) -> AgentConfig:
+    return replace(config, **{k: v for k, v in changes.items() if v is not None})

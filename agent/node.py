@@ -1,0 +1,415 @@
+"""The node agent: registers the node, follows the rounds, runs the workers, reports health.
+
+Threads and what they own:
+
+- the **main loop** (the thread that calls :meth:`NodeAgent.run`) applies round changes and
+  starts and stops workers — workers are created only here, because their parent-death signal
+  is tied to the creating thread;
+- the **monitor** thread polls the health probe, checks for stalls, probes peers and writes
+  health and (rate-limited) progress to etcd;
+- a **round watch** feeds round records to the main loop; gRPC threads serve the node service
+  and the progress channel, and worker-exit threads report exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import grpc
+
+from stalwart.agent.config import AgentConfig
+from stalwart.agent.health import FakeProbe, Finding, HealthProbe, Severity, make_probe, verdict
+from stalwart.agent.service import FaultRefused, StepEvent, health_state, start_node_server, start_progress_server
+from stalwart.agent.stall import StallDetector, StallPolicy
+from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.errors import CoordError
+from stalwart.coord.keys import JobKeys
+from stalwart.coord.lease import Lease
+from stalwart.coord.watch import EventType, Watch
+from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+
+log = logging.getLogger(__name__)
+ENV_SOCKET = "STALWART_AGENT_SOCKET"
+
+
+@dataclass
+class _Progress:
+    step: int = -1
+    step_time: float = 0.0
+    at: float = 0.0
+
+
+@dataclass
+class _State:
+    round: records_pb2.RoundRecord | None = None
+    group: WorkerGroup | None = None
+    exits: list[WorkerExit] = field(default_factory=list)
+    worker_findings: list[Finding] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)
+    progress: dict[int, _Progress] = field(default_factory=dict)
+    draining: bool = False
+    restarts: int = 0
+
+
+class NodeAgent:
+    """One node's agent. ``start()`` brings up servers and registration; ``run()`` is the main loop."""
+
+    def __init__(self, config: AgentConfig, *, client: EtcdClient | None = None,
+                 probe: HealthProbe | None = None) -> None:
+        self.config = config
+        self.keys = JobKeys(config.job)
+        self.client = client or EtcdClient(config.etcd)
+        self.probe = probe or make_probe(config.probe, config.workers)
+        self.stalls = StallDetector(StallPolicy(config.stall_floor, config.stall_factor, config.stall_first_step))
+        self._state = _State()
+        self._lock = threading.RLock()
+        self._commands: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._stop = threading.Event()
+        self._lease: Lease | None = None
+        self._servers: list[grpc.Server] = []
+        self._watch: Watch | None = None
+        self._last_health: bytes = b""
+        self._last_progress_write = 0.0
+        self.port = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        if self.config.advertise:
+            return self.config.advertise
+        host = self.config.listen.rsplit(":", 1)[0]
+        if host in ("0.0.0.0", "[::]", ""):
+            host = socket.getfqdn()
+        return f"{host}:{self.port}"
+
+    def start(self) -> None:
+        self._servers.append(start_progress_server(self.config.socket_path, self))
+        server, self.port = start_node_server(self.config, self)
+        self._servers.append(server)
+        self._register()
+        kv = self.client.get(self.keys.round)
+        if kv is not None:
+            self._commands.put(("round", kv.value))
+        self._watch = Watch(self.client, self.keys.round, (kv.mod_revision + 1) if kv else 0)
+        threading.Thread(target=self._follow_rounds, daemon=True, name="agent-rounds").start()
+        threading.Thread(target=self._monitor, daemon=True, name="agent-monitor").start()
+        log.info("agent %s up: service %s, progress socket %s", self.config.node_id, self.address,
+                 self.config.socket_path, extra={"node": self.config.node_id})
+
+    def _register(self) -> None:
+        lease = Lease(self.client, self.config.lease_ttl, on_lost=lambda why: self._commands.put(("lease-lost", why)))
+        record = records_pb2.NodeRecord(
+            node_id=self.config.node_id, address=self.address, devices=self.config.workers,
+            hostname=socket.gethostname(), registered_at=time.time(), cordoned=self._state.draining,
+            versions={name: _version(name) for name in ("stalwart", "torch", "deepspeed")},
+        )
+        self.client.put(self.keys.node(self.config.node_id), record.SerializeToString(), lease=lease.id)
+        self._lease = lease
+        self._publish_health(force=True)
+
+    def run(self) -> None:
+        """The main loop; returns after :meth:`shutdown`."""
+        while not self._stop.is_set():
+            try:
+                kind, payload = self._commands.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                if kind == "round":
+                    self._apply_round(payload)  # type: ignore[arg-type]
+                elif kind == "lease-lost":
+                    log.error("agent %s: lease lost (%s); registering again", self.config.node_id, payload)
+                    self._register()
+                elif kind == "stop-workers":
+                    self._stop_workers(str(payload))
+                elif kind == "call":
+                    payload()  # type: ignore[operator]
+            except CoordError as exc:
+                log.error("agent %s: etcd: %s", self.config.node_id, exc)
+            except Exception:
+                log.exception("agent %s: main loop error", self.config.node_id)
+        self._stop_workers("agent shutting down")
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._watch:
+            self._watch.close()
+        for server in self._servers:
+            server.stop(grace=1)
+        if self._lease:
+            self._lease.revoke()
+        self.probe.close()
+
+    # -- rounds --------------------------------------------------------------------------------
+
+    def _follow_rounds(self) -> None:
+        assert self._watch is not None
+        while not self._stop.is_set():
+            try:
+                events = self._watch.get(timeout=1.0)
+            except CoordError as exc:
+                log.error("agent %s: round watch failed (%s); re-reading", self.config.node_id, exc)
+                time.sleep(1)
+                continue
+            for ev in events:
+                if ev.type is EventType.PUT:
+                    self._commands.put(("round", ev.value))
+
+    def _apply_round(self, raw: bytes) -> None:
+        try:
+            record = records_pb2.RoundRecord.FromString(raw)
+        except Exception:
+            log.error("agent %s: round record is not a RoundRecord; ignored", self.config.node_id)
+            return
+        with self._lock:
+            current = self._state.round
+            if current is not None and record.number <= current.number:
+                return
+        mine = [m for m in record.members if m.node_id == self.config.node_id]
+        self._stop_workers(f"round {record.number} opened")
+        with self._lock:
+            self._state.round = record
+        if not mine or self._state.draining:
+            log.info("agent %s: not a member of round %d", self.config.node_id, record.number,
+                     extra={"node": self.config.node_id, "round": record.number})
+            return
+        m = mine[0]
+        assignment = RoundAssignment(
+            round=record.number, group_rank=m.node_rank, first_rank=m.first_rank,
+            local_world_size=m.local_world_size or self.config.workers, world_size=record.world_size,
+            master_addr=record.master_addr, master_port=record.master_port,
+            restore_step=record.restore_step if record.has_restore_step else None,
+            restart_count=self._state.restarts,
+        )
+        now = time.monotonic()
+        group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
+                            extra_env={ENV_SOCKET: str(self.config.socket_path)}, cwd=self.config.cwd)
+        with self._lock:
+            self._state.group = group
+            self._state.worker_findings = []
+            self._state.progress = {}
+            for w in group.workers:
+                self.stalls.started(w.rank, now)
+        self._state.restarts += 1
+        self._publish_health(force=True)
+
+    def _stop_workers(self, why: str) -> None:
+        with self._lock:
+            group = self._state.group
+            self._state.group = None
+        if group is not None and group.running:
+            log.info("agent %s: stopping workers: %s", self.config.node_id, why)
+            group.stop(self.config.stop_grace)
+        if group is not None:
+            for w in group.workers:
+                self.stalls.forget(w.rank)
+
+    def _worker_exited(self, exit_: WorkerExit) -> None:
+        with self._lock:
+            self._state.exits.append(exit_)
+            self.stalls.forget(exit_.rank)
+            if exit_.kind in (ExitKind.SUCCESS, ExitKind.STOPPED):
+                return
+            self._state.worker_findings.append(Finding("worker", exit_.local_rank, Severity.TRANSIENT,
+                                                       f"worker-{exit_.kind.value}",
+                                                       f"rank {exit_.rank}: {exit_.reason}"))
+        self._publish_health(force=True)
+
+    # -- monitor: health, stalls, peers, progress ----------------------------------------------------
+
+    def _monitor(self) -> None:
+        next_peers = 0.0
+        while not self._stop.wait(min(0.25, self.config.probe_interval)):
+            now = time.monotonic()
+            for stall in self.stalls.check(now):
+                log.error("agent %s: rank %d stalled: no step for %.1f s (timeout %.1f s, last step %d)",
+                          self.config.node_id, stall.rank, stall.silent_for, stall.timeout, stall.last_step,
+                          extra={"node": self.config.node_id, "rank": stall.rank})
+                with self._lock:
+                    self._state.worker_findings.append(Finding(
+                        "stall", stall.rank, Severity.TRANSIENT, "stall",
+                        f"rank {stall.rank}: no step for {stall.silent_for:.1f} s (timeout {stall.timeout:.1f} s)"))
+            if now >= next_peers:
+                self._probe_peers()
+                next_peers = now + self.config.peer_probe_interval
+            try:
+                self._publish_health()
+                self._publish_progress()
+            except CoordError as exc:
+                log.warning("agent %s: cannot write to etcd: %s", self.config.node_id, exc)
+
+    def findings(self) -> list[Finding]:
+        with self._lock:
+            return self.probe.poll() + list(self._state.worker_findings)
+
+    def _health_record(self) -> records_pb2.HealthRecord:
+        found = self.findings()
+        with self._lock:
+            unreachable = list(self._state.unreachable)
+        return records_pb2.HealthRecord(
+            node_id=self.config.node_id, state=health_state(int(verdict(found))), unreachable_peers=unreachable,
+            findings=[records_pb2.Finding(source=f.source, device=max(f.device, 0), state=health_state(int(f.severity)),
+                                          code=f.code, detail=f.detail) for f in found],
+        )
+
+    def _publish_health(self, force: bool = False) -> None:
+        record = self._health_record()
+        raw = record.SerializeToString()
+        if raw == self._last_health and not force:
+            return
+        self._last_health = raw
+        record.checked_at = time.time()
+        lease = self._lease.id if self._lease else 0
+        self.client.put(self.keys.health(self.config.node_id), record.SerializeToString(), lease=lease)
+        if record.state == records_pb2.HEALTH_FATAL:
+            log.error("agent %s: node unhealthy: %s", self.config.node_id,
+                      ", ".join(f"{f.code} on device {f.device}" for f in record.findings if f.state == 3))
+
+    def _publish_progress(self) -> None:
+        now = time.monotonic()
+        if now - self._last_progress_write < self.config.progress_interval:
+            return
+        with self._lock:
+            if not self._state.progress or self._state.round is None:
+                return
+            slowest = min(self._state.progress.values(), key=lambda p: p.step)
+            record = records_pb2.ProgressRecord(node_id=self.config.node_id, round=self._state.round.number,
+                                                step=max(slowest.step, 0), step_time=slowest.step_time,
+                                                reported_at=time.time())
+        self._last_progress_write = now
+        lease = self._lease.id if self._lease else 0
+        self.client.put(self.keys.progress(self.config.node_id), record.SerializeToString(), lease=lease)
+
+    def _probe_peers(self) -> None:
+        with self._lock:
+            peers = [m for m in (self._state.round.members if self._state.round else [])
+                     if m.node_id != self.config.node_id and m.address]
+        unreachable = [p.node_id for p in peers if not self._ping(p.address)]
+        with self._lock:
+            self._state.unreachable = unreachable
+
+    def _ping(self, address: str) -> bool:
+        if self.config.insecure:
+            channel = grpc.insecure_channel(address)
+        else:
+            creds = grpc.ssl_channel_credentials(_read(self.config.tls.ca_file), _read(self.config.tls.key_file),
+                                                 _read(self.config.tls.cert_file))
+            channel = grpc.secure_channel(address, creds)
+        try:
+            agent_pb2_grpc.AgentStub(channel).Ping(agent_pb2.PingRequest(from_node=self.config.node_id), timeout=1.0)
+            return True
+        except grpc.RpcError:
+            return False
+        finally:
+            channel.close()
+
+    # -- AgentCore (called from gRPC threads) -------------------------------------------------------
+
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    def round_number(self) -> int:
+        with self._lock:
+            return self._state.round.number if self._state.round else 0
+
+    def worker_hello(self, rank: int, local_rank: int, round_number: int, pid: int) -> None:
+        log.info("agent %s: rank %d (pid %d) connected for round %d", self.config.node_id, rank, pid, round_number)
+
+    def worker_step(self, event: StepEvent) -> None:
+        with self._lock:
+            self.stalls.step(event.rank, event.step, event.step_time, time.monotonic())
+            self._state.progress[event.rank] = _Progress(event.step, event.step_time, event.at)
+
+    def worker_checkpoint(self, rank: int, step: int, path: str, committed: bool) -> None:
+        log.info("agent %s: rank %d checkpoint at step %d %s", self.config.node_id, rank, step,
+                 "committed" if committed else "started")
+
+    def status(self) -> agent_pb2.NodeStatus:
+        with self._lock:
+            group, rnd = self._state.group, self._state.round
+            workers = []
+            if group is not None:
+                for w in group.workers:
+                    p = self._state.progress.get(w.rank, _Progress())
+                    state = agent_pb2.WORKER_RUNNING if w.running else (
+                        agent_pb2.WORKER_SUCCEEDED if w.exit and w.exit.kind is ExitKind.SUCCESS
+                        else agent_pb2.WORKER_FAILED)
+                    workers.append(agent_pb2.WorkerStatus(
+                        local_rank=w.local_rank, rank=w.rank, pid=w.pid, state=state, last_step=max(p.step, 0),
+                        exit_code=w.exit.returncode if w.exit else 0, exit_reason=w.exit.reason if w.exit else ""))
+            draining = self._state.draining
+        node = records_pb2.NodeRecord(node_id=self.config.node_id, address=self.address, devices=self.config.workers,
+                                      cordoned=draining)
+        return agent_pb2.NodeStatus(node=node, health=self._health_record(), round=rnd.number if rnd else 0,
+                                    workers=workers, draining=draining)
+
+    def drain(self, wait: bool, timeout: float) -> tuple[bool, str]:
+        """Cordon this node so the daemon leaves it out of the next round, then stop the workers
+        (SIGTERM first: the trainer takes its last checkpoint on SIGTERM)."""
+        with self._lock:
+            self._state.draining = True
+        kv = self.client.get(self.keys.node(self.config.node_id))
+        if kv is not None:
+            record = records_pb2.NodeRecord.FromString(kv.value)
+            record.cordoned = True
+            self.client.put(self.keys.node(self.config.node_id), record.SerializeToString(), lease=kv.lease)
+        self._commands.put(("stop-workers", "draining"))
+        if not wait:
+            return False, "draining"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._state.group is None or not self._state.group.running:
+                    return True, "drained: workers stopped"
+            time.sleep(0.05)
+        return False, f"workers still running after {timeout:g} s"
+
+    def inject_fault(self, kind: str, device: int, code: int) -> str:
+        if not self.config.fault_injection:
+            raise FaultRefused("fault injection is disabled in this agent's configuration (fault_injection = false)")
+        if kind in ("gpu-xid", "gpu-ecc-dbe", "gpu-lost", "clear"):
+            if not isinstance(self.probe, FakeProbe):
+                raise FaultRefused(f"GPU faults can only be injected with the fake probe, not {self.probe.name}")
+            if kind == "clear":
+                self.probe.clear()
+                with self._lock:
+                    self._state.worker_findings = []
+                detail = "cleared injected faults"
+            else:
+                fake = {"gpu-xid": "xid", "gpu-ecc-dbe": "ecc-dbe", "gpu-lost": "gpu-lost"}[kind]
+                try:
+                    finding = self.probe.inject(fake, device, code)
+                except ValueError as exc:
+                    raise FaultRefused(str(exc)) from exc
+                detail = f"injected {finding.code} on device {device} ({finding.severity.name.lower()})"
+            self._publish_health(force=True)
+            return detail
+        sig = {"kill-worker": signal.SIGKILL, "hang-worker": signal.SIGSTOP}[kind]
+        with self._lock:
+            group = self._state.group
+        if group is None or not 0 <= device < len(group.workers) or not group.signal(device, sig):
+            raise FaultRefused(f"no running worker with local rank {device}")
+        return f"sent {sig.name} to local rank {device}"
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return ""

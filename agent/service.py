@@ -1,0 +1,180 @@
+"""The agent's gRPC edge: the node service over TCP (TLS) and the progress channel over a unix socket.
+
+Servicers only translate messages and delegate to the :class:`AgentCore` protocol, which the
+node agent implements; no other module of the agent imports generated code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from stalwart.agent.config import AgentConfig, AgentConfigError
+from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+
+log = logging.getLogger(__name__)
+
+
+class FaultRefused(Exception):
+    """Fault injection is disabled in this agent's configuration, or the fault is not possible."""
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    rank: int
+    step: int
+    step_time: float
+    loss: float
+    at: float
+
+
+class AgentCore(Protocol):
+    def status(self) -> agent_pb2.NodeStatus: ...
+
+    def drain(self, wait: bool, timeout: float) -> tuple[bool, str]: ...
+
+    def inject_fault(self, kind: str, device: int, code: int) -> str:
+        """Apply a fault; raises :class:`FaultRefused`."""
+        ...
+
+    def worker_hello(self, rank: int, local_rank: int, round_number: int, pid: int) -> None: ...
+
+    def worker_step(self, event: StepEvent) -> None: ...
+
+    def worker_checkpoint(self, rank: int, step: int, path: str, committed: bool) -> None: ...
+
+    def round_number(self) -> int: ...
+
+    def node_id(self) -> str: ...
+
+
+_FAULTS = {
+    agent_pb2.FAULT_GPU_XID: "gpu-xid",
+    agent_pb2.FAULT_GPU_ECC_DBE: "gpu-ecc-dbe",
+    agent_pb2.FAULT_GPU_LOST: "gpu-lost",
+    agent_pb2.FAULT_KILL_WORKER: "kill-worker",
+    agent_pb2.FAULT_HANG_WORKER: "hang-worker",
+    agent_pb2.FAULT_CLEAR: "clear",
+}
+
+
+class AgentServicer(agent_pb2_grpc.AgentServicer):
+    def __init__(self, core: AgentCore) -> None:
+        self._core = core
+
+    def GetStatus(self, request: agent_pb2.StatusRequest, context: grpc.ServicerContext) -> agent_pb2.NodeStatus:
+        return self._core.status()
+
+    def Drain(self, request: agent_pb2.DrainRequest, context: grpc.ServicerContext) -> agent_pb2.DrainReply:
+        drained, detail = self._core.drain(request.wait, request.timeout or 60.0)
+        return agent_pb2.DrainReply(drained=drained, detail=detail)
+
+    def InjectFault(self, request: agent_pb2.FaultRequest, context: grpc.ServicerContext) -> agent_pb2.FaultReply:
+        kind = _FAULTS.get(request.kind)
+        if kind is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fault kind {request.kind}")
+        try:
+            detail = self._core.inject_fault(kind, request.device, request.code)  # type: ignore[arg-type]
+        except FaultRefused as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        return agent_pb2.FaultReply(applied=True, detail=detail)
+
+    def Ping(self, request: agent_pb2.PingRequest, context: grpc.ServicerContext) -> agent_pb2.PingReply:
+        return agent_pb2.PingReply(node_id=self._core.node_id(), round=self._core.round_number())
+
+
+class ProgressServicer(agent_pb2_grpc.ProgressServicer):
+    """One stream per worker. Commands back to workers are not sent yet (in-place re-form will)."""
+
+    def __init__(self, core: AgentCore) -> None:
+        self._core = core
+
+    def Connect(self, request_iterator: Iterator[agent_pb2.WorkerMessage],
+                context: grpc.ServicerContext) -> Iterator[agent_pb2.AgentCommand]:
+        rank = -1
+        for msg in request_iterator:
+            which = msg.WhichOneof("kind")
+            if which == "hello":
+                rank = msg.hello.rank
+                self._core.worker_hello(rank, msg.hello.local_rank, msg.hello.round, msg.hello.pid)
+            elif which == "step" and rank >= 0:
+                s = msg.step
+                self._core.worker_step(StepEvent(rank, s.step, s.step_time, s.loss, s.time))
+            elif which == "checkpoint" and rank >= 0:
+                c = msg.checkpoint
+                self._core.worker_checkpoint(rank, c.step, c.path, c.committed)
+            elif which == "goodbye":
+                break
+        return iter(())
+
+
+def _read(path: str | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise AgentConfigError(f"agent config: tls.{what}: {path}: {exc.strerror or exc}") from None
+
+
+def start_node_server(config: AgentConfig, core: AgentCore, extra: list[object] | None = None) -> tuple[grpc.Server,
+                                                                                                        int]:
+    """The agent's TCP service; returns the server and its bound port.
+
+    TLS unless ``config.insecure``; mutual TLS (clients must present a certificate signed by
+    ``tls.ca_file``) when a CA is configured. ``extra`` servicer-adders run on the same server.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-grpc"))
+    agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(core), server)
+    for add in extra or []:
+        add(server)  # type: ignore[operator]
+    if config.insecure:
+        port = server.add_insecure_port(config.listen)
+    else:
+        key, cert = _read(config.tls.key_file, "key_file"), _read(config.tls.cert_file, "cert_file")
+        ca = _read(config.tls.ca_file, "ca_file")
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        port = server.add_secure_port(config.listen, creds)
+    if port == 0:
+        raise AgentConfigError(f"agent config: listen: cannot bind {config.listen}")
+    server.start()
+    return server, port
+
+
+def start_progress_server(path: Path, core: AgentCore) -> grpc.Server:
+    """The local progress channel on a unix socket only its owner can use.
+
+    The socket lives in a directory of mode 0700 and is itself made 0600, so no other user on
+    the node can report progress or read it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    if path.exists() or path.is_socket():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise AgentConfigError(f"agent config: progress_socket: {path} exists and is not a socket")
+        path.unlink()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="agent-progress"))
+    agent_pb2_grpc.add_ProgressServicer_to_server(ProgressServicer(core), server)
+    old = os.umask(0o177)
+    try:
+        if server.add_insecure_port(f"unix:{path}") == 0:
+            raise AgentConfigError(f"agent config: progress_socket: cannot bind {path}")
+        server.start()
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    return server
+
+
+def health_state(severity: int) -> int:
+    """Map :class:`stalwart.agent.health.Severity` to the record's ``HealthState`` (same numbers)."""
+    return {1: records_pb2.HEALTH_OK, 2: records_pb2.HEALTH_TRANSIENT, 3: records_pb2.HEALTH_FATAL}[severity]

@@ -1,0 +1,84 @@
+"""Stall detection from step reports: a timeout learned from each worker's own step times.
+
+A worker is stalled when no step completes within ``max(floor, factor × median recent step
+time)`` of its last one. The first step after a start gets ``first_step`` seconds instead
+(imports, process-group set-up and compilation take far longer than a step). Pure: the caller
+passes the clock, so every rule is tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StallPolicy:
+    floor: float = 10.0  # seconds: never declare a stall sooner than this after a step
+    factor: float = 5.0  # times the median recent step time
+    first_step: float = 300.0  # seconds allowed for the first step after a (re)start
+    window: int = 50  # recent step times the median is taken over
+
+    def __post_init__(self) -> None:
+        if self.floor <= 0 or self.factor < 1 or self.first_step <= 0 or self.window < 1:
+            raise ValueError(
+                f"stall policy: need floor > 0, factor >= 1, first_step > 0, window >= 1; got {self}")
+
+
+@dataclass
+class _Worker:
+    started: float
+    last_step_at: float | None = None
+    last_step: int = -1
+    times: deque[float] = field(default_factory=deque)
+    stalled: bool = False
+
+
+@dataclass(frozen=True)
+class Stall:
+    rank: int
+    silent_for: float
+    timeout: float
+    last_step: int
+
+
+class StallDetector:
+    def __init__(self, policy: StallPolicy) -> None:
+        self.policy = policy
+        self._workers: dict[int, _Worker] = {}
+
+    def started(self, rank: int, now: float) -> None:
+        self._workers[rank] = _Worker(started=now, times=deque(maxlen=self.policy.window))
+
+    def forget(self, rank: int) -> None:
+        self._workers.pop(rank, None)
+
+    def step(self, rank: int, step: int, step_time: float, now: float) -> None:
+        w = self._workers.get(rank)
+        if w is None:
+            w = self._workers[rank] = _Worker(started=now, times=deque(maxlen=self.policy.window))
+        if step <= w.last_step:
+            return  # a repeated report is not progress
+        if step_time > 0:
+            w.times.append(step_time)
+        w.last_step, w.last_step_at, w.stalled = step, now, False
+
+    def timeout(self, rank: int) -> float:
+        w = self._workers[rank]
+        if w.last_step_at is None:
+            return self.policy.first_step
+        if not w.times:
+            return self.policy.floor
+        return max(self.policy.floor, self.policy.factor * statistics.median(w.times))
+
+    def check(self, now: float) -> list[Stall]:
+        """Workers that newly stalled since the last check (each stall is reported once)."""
+        stalls = []
+        for rank, w in self._workers.items():
+            since = w.last_step_at if w.last_step_at is not None else w.started
+            limit = self.timeout(rank)
+            if not w.stalled and now - since > limit:
+                w.stalled = True
+                stalls.append(Stall(rank, now - since, limit, w.last_step))
+        return stalls

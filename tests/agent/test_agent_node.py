@@ -1,0 +1,174 @@
+"""The node agent against a real etcd, with real worker processes, signals and gRPC."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from stalwart.agent.config import AgentConfig, TLSConfig
+from stalwart.agent.node import NodeAgent
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.keys import JobKeys
+from stalwart.coord.local import LocalEtcd
+from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+
+WORKER = str(Path(__file__).with_name("worker_script.py"))
+
+
+def _config(etcd: LocalEtcd, tmp_path: Path, job: str, **kw: object) -> AgentConfig:
+    settings: dict[str, object] = dict(
+        job=job, node_id="n0", command=(sys.executable, WORKER), workers=2, insecure=True,
+        etcd=etcd.client_config(), state_dir=str(tmp_path / "state"), lease_ttl=2, probe="fake",
+        probe_interval=0.2, fault_injection=True, stall_floor=1.0, stall_factor=3.0, stall_first_step=30.0,
+        stop_grace=2.0, progress_interval=0.5, peer_probe_interval=0.5)
+    settings.update(kw)
+    return AgentConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def start_agent() -> Iterator[Callable[[AgentConfig], NodeAgent]]:
+    agents: list[tuple[NodeAgent, threading.Thread]] = []
+
+    def start(config: AgentConfig) -> NodeAgent:
+        agent = NodeAgent(config)
+        agent.start()
+        thread = threading.Thread(target=agent.run, daemon=True)  # lives as long as the workers
+        thread.start()
+        agents.append((agent, thread))
+        return agent
+
+    yield start
+    for agent, thread in agents:
+        agent.shutdown()
+        thread.join(timeout=15)
+
+
+def _open_round(client: EtcdClient, keys: JobKeys, number: int, members: list[tuple[str, str]]) -> None:
+    record = records_pb2.RoundRecord(number=number, world_size=2 * len(members), master_addr="127.0.0.1",
+                                     master_port=29500)
+    for i, (node, address) in enumerate(members):
+        record.members.add(node_id=node, node_rank=i, first_rank=2 * i, local_world_size=2, address=address)
+    client.put(keys.round, record.SerializeToString())
+
+
+def _health(client: EtcdClient, keys: JobKeys, node: str = "n0") -> records_pb2.HealthRecord | None:
+    kv = client.get(keys.health(node))
+    return records_pb2.HealthRecord.FromString(kv.value) if kv else None
+
+
+def _wait(pred: Callable[[], bool], timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _stub(agent: NodeAgent) -> agent_pb2_grpc.AgentStub:
+    return agent_pb2_grpc.AgentStub(grpc.insecure_channel(f"127.0.0.1:{agent.port}"))
+
+
+def _running_steps(agent: NodeAgent) -> list[int]:
+    return [w.last_step for w in agent.status().workers if w.state == agent_pb2.WORKER_RUNNING]
+
+
+def test_registration_round_workers_and_worker_death(etcd_server: LocalEtcd, etcd_client: EtcdClient,
+                                                     tmp_path: Path, start_agent, key_prefix: str) -> None:
+    job = "agent-" + key_prefix.strip("/").split("/")[-1][-40:].replace("[", "-").replace("]", "")
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job))
+    node = etcd_client.get(keys.node("n0"))
+    assert node is not None and node.lease != 0
+    assert records_pb2.NodeRecord.FromString(node.value).address.endswith(f":{agent.port}")
+    _open_round(etcd_client, keys, 1, [("n0", agent.address)])
+    _wait(lambda: len(_running_steps(agent)) == 2 and min(_running_steps(agent)) > 2, 30, "two workers stepping")
+    socket_mode = (Path(agent.config.socket_path).stat().st_mode & 0o777)
+    assert socket_mode == 0o600
+
+    victim = agent.status().workers[1].pid
+    import os
+    import signal
+    os.kill(victim, signal.SIGKILL)
+    took = _wait(lambda: any(f.code == "worker-signal" for f in (_health(etcd_client, keys) or
+                                                                   records_pb2.HealthRecord()).findings),
+                 5, "the worker failure in the health record")
+    assert took < 0.5
+    status = agent.status()
+    assert [w.state for w in status.workers].count(agent_pb2.WORKER_FAILED) == 1
+
+    # a new round without this node stops its workers
+    _open_round(etcd_client, keys, 2, [("other", "127.0.0.1:1")])
+    _wait(lambda: agent.status().round == 2 and not agent.status().workers, 10, "workers stopped")
+
+
+def test_hung_worker_is_a_stall_and_a_slow_one_is_not(etcd_server: LocalEtcd, etcd_client: EtcdClient,
+                                                      tmp_path: Path, start_agent) -> None:
+    job = f"stall-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job))
+    _open_round(etcd_client, keys, 1, [("n0", agent.address)])
+    _wait(lambda: len(_running_steps(agent)) == 2 and min(_running_steps(agent)) > 5, 30, "workers stepping")
+    # learned timeout: max(floor 1 s, 3 × 0.1 s) = 1 s; SIGSTOP rank 0 through fault injection
+    stopped = time.monotonic()
+    reply = _stub(agent).InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_HANG_WORKER, device=0), timeout=5)
+    assert reply.applied
+    _wait(lambda: any(f.code == "stall" for f in (_health(etcd_client, keys) or records_pb2.HealthRecord()).findings),
+          5, "a stall in the health record")
+    assert time.monotonic() - stopped <= 1.0 + 1.0 + 0.5  # timeout + 1 s, plus the injection call
+    stalls = [f for f in _health(etcd_client, keys).findings if f.code == "stall"]  # type: ignore[union-attr]
+    assert [f.device for f in stalls] == [0]  # rank 1 kept moving: not reported
+
+
+def test_fake_gpu_faults_and_injection_rules(etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path,
+                                             start_agent) -> None:
+    job = f"gpu-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job))
+    stub = _stub(agent)
+    stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_GPU_XID, device=1, code=94), timeout=5)
+    _wait(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_TRANSIENT,
+          2, "a transient verdict")
+    injected = time.monotonic()
+    stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_GPU_XID, device=0, code=79), timeout=5)
+    _wait(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_FATAL,
+          2, "a fatal verdict")
+    assert time.monotonic() - injected < 2
+    assert stub.GetStatus(agent_pb2.StatusRequest(), timeout=5).health.state == records_pb2.HEALTH_FATAL
+    stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR), timeout=5)
+    _wait(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_OK,
+          2, "health back to ok")
+
+
+def test_fault_injection_refused_when_disabled(etcd_server: LocalEtcd, tmp_path: Path, start_agent) -> None:
+    agent = start_agent(_config(etcd_server, tmp_path, f"nofault-{time.monotonic_ns()}", fault_injection=False))
+    with pytest.raises(grpc.RpcError) as info:
+        _stub(agent).InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_GPU_XID, code=79), timeout=5)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+
+
+def test_mutual_tls_refuses_a_client_without_the_right_certificate(etcd_server: LocalEtcd, tmp_path: Path,
+                                                                   start_agent, tls_dir: Path) -> None:
+    tls = TLSConfig(cert_file=str(tls_dir / "server.crt"), key_file=str(tls_dir / "server.key"),
+                    ca_file=str(tls_dir / "ca.crt"))
+    agent = start_agent(_config(etcd_server, tmp_path, f"tls-{time.monotonic_ns()}", insecure=False, tls=tls,
+                                listen="127.0.0.1:0"))
+    target = f"127.0.0.1:{agent.port}"
+    ca = (tls_dir / "ca.crt").read_bytes()
+    good = grpc.ssl_channel_credentials(ca, (tls_dir / "client.key").read_bytes(),
+                                        (tls_dir / "client.crt").read_bytes())
+    reply = agent_pb2_grpc.AgentStub(grpc.secure_channel(target, good)).Ping(agent_pb2.PingRequest(), timeout=5)
+    assert reply.node_id == "n0"
+    for creds in (grpc.ssl_channel_credentials(ca),  # no client certificate
+                  grpc.ssl_channel_credentials((tls_dir / "other-ca.crt").read_bytes())):  # wrong CA
+        with pytest.raises(grpc.RpcError) as info:
+            agent_pb2_grpc.AgentStub(grpc.secure_channel(target, creds)).Ping(agent_pb2.PingRequest(), timeout=3)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    with pytest.raises(grpc.RpcError):
+        agent_pb2_grpc.AgentStub(grpc.insecure_channel(target)).Ping(agent_pb2.PingRequest(), timeout=3)

@@ -1,0 +1,79 @@
+"""Pure rules: the learned stall timeout, and the classification of GPU findings."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.agent.health import FakeProbe, Severity, classify_xid, verdict
+from stalwart.agent.stall import StallDetector, StallPolicy
+
+
+def test_first_step_gets_the_long_allowance() -> None:
+    d = StallDetector(StallPolicy(floor=1, factor=4, first_step=30))
+    d.started(0, now=0)
+    assert d.check(now=29) == []
+    stalls = d.check(now=31)
+    assert [s.rank for s in stalls] == [0] and stalls[0].last_step == -1
+
+
+def test_timeout_is_learned_from_step_times_with_a_floor() -> None:
+    d = StallDetector(StallPolicy(floor=1, factor=4, first_step=30))
+    d.started(0, now=0)
+    t = 0.0
+    for step in range(20):
+        t += 0.5
+        d.step(0, step, 0.5, now=t)
+    assert d.timeout(0) == pytest.approx(2.0)  # 4 × median 0.5
+    assert d.check(now=t + 1.9) == []
+    assert [s.rank for s in d.check(now=t + 2.1)] == [0]
+    assert d.check(now=t + 5) == []  # reported once
+    d.step(0, 20, 0.5, now=t + 6)  # moving again
+    fast = StallDetector(StallPolicy(floor=1, factor=4, first_step=30))
+    fast.started(0, now=0)
+    fast.step(0, 0, 0.01, now=0.01)
+    assert fast.timeout(0) == 1  # the floor
+
+
+def test_slow_but_moving_worker_is_not_a_stall() -> None:
+    d = StallDetector(StallPolicy(floor=1, factor=4, first_step=30))
+    d.started(0, now=0)
+    t = 0.0
+    for step in range(200):
+        t += 0.5 * (1 + step / 100)  # steadily slower, never stopping
+        d.step(0, step, 0.5 * (1 + step / 100), now=t)
+        assert d.check(now=t) == []
+
+
+def test_repeated_step_report_is_not_progress() -> None:
+    d = StallDetector(StallPolicy(floor=1, factor=2, first_step=5))
+    d.started(0, now=0)
+    d.step(0, 1, 0.1, now=1)
+    d.step(0, 1, 0.1, now=1.9)
+    assert [s.rank for s in d.check(now=2.1)] == [0]
+
+
+def test_bad_stall_policy() -> None:
+    with pytest.raises(ValueError):
+        StallPolicy(floor=0)
+
+
+def test_xid_classification() -> None:
+    assert classify_xid(79, 0, "t").severity is Severity.FATAL
+    assert classify_xid(48, 0, "t").severity is Severity.FATAL
+    assert classify_xid(94, 0, "t").severity is Severity.TRANSIENT
+    assert classify_xid(13, 0, "t").severity is Severity.TRANSIENT
+
+
+def test_fake_probe_verdicts() -> None:
+    probe = FakeProbe(devices=2)
+    assert verdict(probe.poll()) is Severity.OK
+    probe.inject("xid", device=1, code=94)
+    assert verdict(probe.poll()) is Severity.TRANSIENT
+    probe.inject("xid", device=0, code=79)
+    assert verdict(probe.poll()) is Severity.FATAL
+    probe.clear()
+    assert probe.poll() == []
+    with pytest.raises(ValueError):
+        probe.inject("xid", device=5, code=79)
+    with pytest.raises(ValueError):
+        probe.inject("meteor")

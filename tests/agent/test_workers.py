@@ -1,0 +1,109 @@
+"""Worker supervision with real processes and signals."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup
+from testkit import python_child
+
+ASSIGN = RoundAssignment(round=7, group_rank=1, first_rank=2, local_world_size=2, world_size=6,
+                         master_addr="127.0.0.1", master_port=29999, restore_step=40, restart_count=3)
+
+PRINT_ENV = [sys.executable, "-c", "import os, json, time; print(json.dumps({k: v for k, v in os.environ.items() "
+             "if k.isupper()})); time.sleep(float(os.environ.get('SLEEP', '0')))"]
+
+
+def _group(tmp_path: Path, command: list[str], **kw: object) -> tuple[WorkerGroup, queue.Queue[WorkerExit]]:
+    exits: queue.Queue[WorkerExit] = queue.Queue()
+    return WorkerGroup(command, ASSIGN, tmp_path, exits.put, **kw), exits  # type: ignore[arg-type]
+
+
+def test_workers_get_torchruns_environment_and_a_log_per_round(tmp_path: Path) -> None:
+    import json
+
+    group, exits = _group(tmp_path, PRINT_ENV)
+    got = sorted([exits.get(timeout=30) for _ in range(2)], key=lambda e: e.rank)
+    assert [e.kind for e in got] == [ExitKind.SUCCESS, ExitKind.SUCCESS]
+    for local_rank, worker in enumerate(group.workers):
+        env = json.loads(worker.log_path.read_text().splitlines()[0])
+        assert worker.log_path.parent.name == "round-000007"
+        assert env["RANK"] == str(2 + local_rank) and env["LOCAL_RANK"] == str(local_rank)
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("6", "2", "1")
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29999")
+        assert (env["TORCHELASTIC_RESTART_COUNT"], env["STALWART_ROUND"], env["STALWART_RESTORE_STEP"]) == \
+            ("3", "7", "40")
+
+
+def test_sigkilled_worker_is_reported_within_half_a_second(tmp_path: Path) -> None:
+    group, exits = _group(tmp_path, PRINT_ENV, extra_env={"SLEEP": "60"})
+    try:
+        time.sleep(0.5)
+        killed = time.time()
+        os.kill(group.workers[1].pid, signal.SIGKILL)
+        exit_ = exits.get(timeout=5)
+        assert exit_.rank == 3 and exit_.kind is ExitKind.SIGNAL and "SIGKILL" in exit_.reason
+        assert exit_.at - killed < 0.5
+    finally:
+        group.stop(grace=1)
+
+
+@pytest.mark.parametrize("code,kind", [(0, ExitKind.SUCCESS), (3, ExitKind.USER_ERROR)])
+def test_exit_codes_are_classified(tmp_path: Path, code: int, kind: ExitKind) -> None:
+    group, exits = _group(tmp_path, [sys.executable, "-c", f"raise SystemExit({code})"])
+    assert {exits.get(timeout=30).kind for _ in range(2)} == {kind}
+
+
+def test_stop_reaches_the_whole_tree_and_kills_what_ignores_sigterm(tmp_path: Path) -> None:
+    stubborn = [sys.executable, "-c",
+                "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('up', flush=True); "
+                "time.sleep(60)"]
+    group, _ = _group(tmp_path, stubborn)
+    deadline = time.monotonic() + 20
+    while not all(w.log_path.exists() and "up" in w.log_path.read_text() for w in group.workers):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    tree = [p for w in group.workers for p in [psutil.Process(w.pid), *psutil.Process(w.pid).children(True)]]
+    assert len(tree) == 4
+    start = time.monotonic()
+    exits = group.stop(grace=0.5)
+    assert time.monotonic() - start < 5
+    assert {e.kind for e in exits} == {ExitKind.STOPPED}
+    gone, alive = psutil.wait_procs(tree, timeout=5)
+    assert not alive
+
+
+def test_workers_die_with_the_agent(tmp_path: Path) -> None:
+    """The agent SIGKILLed: its workers must not linger (parent-death signal)."""
+    agent = python_child(f"""
+import sys, time
+from pathlib import Path
+from stalwart.agent.workers import RoundAssignment, WorkerGroup
+a = RoundAssignment(round=1, group_rank=0, first_rank=0, local_world_size=2, world_size=2,
+                    master_addr="127.0.0.1", master_port=1)
+g = WorkerGroup([sys.executable, "-c", "import time; time.sleep(120)"], a, Path({str(tmp_path)!r}), print)
+print(" ".join(str(w.pid) for w in g.workers), flush=True)
+time.sleep(120)
+""")
+    try:
+        assert agent.stdout is not None
+        pids = [int(p) for p in agent.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 5
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            assert time.monotonic() < deadline, "workers outlived their agent"
+            time.sleep(0.05)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
