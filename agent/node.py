@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from importlib import metadata
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stalwart.agent.config import AgentConfig
 from stalwart.agent.health import FakeProbe, Finding, HealthProbe, Severity, make_probe, verdict
+from stalwart.agent.metrics import AgentMetrics
 from stalwart.agent.service import FaultRefused, StepEvent, health_state, start_node_server, start_progress_server
 from stalwart.agent.stall import StallDetector, StallPolicy
 from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup
@@ -79,6 +81,9 @@ class NodeAgent:
         self._last_health: bytes = b""
         self._last_progress_write = 0.0
         self.port = 0
+        self.metrics_port = 0
+        self.metrics = AgentMetrics(config.node_id)
+        self._health_service = health.HealthServicer()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -93,8 +98,12 @@ class NodeAgent:
 
     def start(self) -> None:
         self._servers.append(start_progress_server(self.config.socket_path, self))
-        server, self.port = start_node_server(self.config, self)
+        add_health = lambda server: health_pb2_grpc.add_HealthServicer_to_server(  # noqa: E731
+            self._health_service, server)
+        server, self.port = start_node_server(self.config, self, extra=[add_health])
         self._servers.append(server)
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port)
         self._register()
         kv = self.client.get(self.keys.round)
         if kv is not None:
@@ -102,6 +111,8 @@ class NodeAgent:
         self._watch = Watch(self.client, self.keys.round, (kv.mod_revision + 1) if kv else 0)
         threading.Thread(target=self._follow_rounds, daemon=True, name="agent-rounds").start()
         threading.Thread(target=self._monitor, daemon=True, name="agent-monitor").start()
+        for service in ("", "stalwart.v1.Agent"):
+            self._health_service.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("agent %s up: service %s, progress socket %s", self.config.node_id, self.address,
                  self.config.socket_path, extra={"node": self.config.node_id})
 
@@ -140,6 +151,7 @@ class NodeAgent:
         self._stop_workers("agent shutting down")
 
     def shutdown(self) -> None:
+        self._health_service.enter_graceful_shutdown()
         self._stop.set()
         if self._watch:
             self._watch.close()
@@ -200,6 +212,8 @@ class NodeAgent:
             for w in group.workers:
                 self.stalls.started(w.rank, now)
         self._state.restarts += 1
+        self.metrics.restarts.labels(self.config.node_id).inc()
+        self.metrics.round.labels(self.config.node_id).set(record.number)
         self._publish_health(force=True)
 
     def _stop_workers(self, why: str) -> None:
@@ -219,6 +233,7 @@ class NodeAgent:
             self.stalls.forget(exit_.rank)
             if exit_.kind in (ExitKind.SUCCESS, ExitKind.STOPPED):
                 return
+            self.metrics.faults.labels(self.config.node_id, f"worker-{exit_.kind.value}").inc()
             self._state.worker_findings.append(Finding("worker", exit_.local_rank, Severity.TRANSIENT,
                                                        f"worker-{exit_.kind.value}",
                                                        f"rank {exit_.rank}: {exit_.reason}"))
@@ -234,6 +249,7 @@ class NodeAgent:
                 log.error("agent %s: rank %d stalled: no step for %.1f s (timeout %.1f s, last step %d)",
                           self.config.node_id, stall.rank, stall.silent_for, stall.timeout, stall.last_step,
                           extra={"node": self.config.node_id, "rank": stall.rank})
+                self.metrics.stalls.labels(self.config.node_id).inc()
                 with self._lock:
                     self._state.worker_findings.append(Finding(
                         "stall", stall.rank, Severity.TRANSIENT, "stall",
@@ -267,6 +283,7 @@ class NodeAgent:
         if raw == self._last_health and not force:
             return
         self._last_health = raw
+        self.metrics.set_findings([(f.code, records_pb2.HealthState.Name(f.state)) for f in record.findings])
         record.checked_at = time.time()
         lease = self._lease.id if self._lease else 0
         self.client.put(self.keys.health(self.config.node_id), record.SerializeToString(), lease=lease)
@@ -328,10 +345,13 @@ class NodeAgent:
         with self._lock:
             self.stalls.step(event.rank, event.step, event.step_time, time.monotonic())
             self._state.progress[event.rank] = _Progress(event.step, event.step_time, event.at)
+        self.metrics.step(event.rank, event.step, event.step_time)
 
     def worker_checkpoint(self, rank: int, step: int, path: str, committed: bool) -> None:
         log.info("agent %s: rank %d checkpoint at step %d %s", self.config.node_id, rank, step,
                  "committed" if committed else "started")
+        if committed:
+            self.metrics.checkpoint_time.labels(self.config.node_id).set(time.time())
 
     def status(self) -> agent_pb2.NodeStatus:
         with self._lock:
@@ -391,6 +411,7 @@ class NodeAgent:
                 except ValueError as exc:
                     raise FaultRefused(str(exc)) from exc
                 detail = f"injected {finding.code} on device {device} ({finding.severity.name.lower()})"
+                self.metrics.faults.labels(self.config.node_id, f"injected-{finding.code}").inc()
             self._publish_health(force=True)
             return detail
         sig = {"kill-worker": signal.SIGKILL, "hang-worker": signal.SIGSTOP}[kind]

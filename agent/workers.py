@@ -9,7 +9,6 @@ worker, so a dead worker is reported as soon as the kernel reaps it.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -21,8 +20,9 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from stalwart.coord.local import die_with_parent
+
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 
 
 class ExitKind(Enum):
@@ -113,14 +113,6 @@ def classify(returncode: int, stopping: bool, oom_before: int) -> tuple[ExitKind
     return ExitKind.SIGNAL, f"killed by {name}"
 
 
-def _child_setup() -> None:
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 class Worker:
     def __init__(self, local_rank: int, rank: int, proc: subprocess.Popen[bytes], log_path: Path) -> None:
         self.local_rank = local_rank
@@ -169,8 +161,8 @@ class WorkerGroup:
             env.update(assignment.env(local_rank))
             log_path = round_dir / f"rank-{assignment.first_rank + local_rank:05d}.log"
             with open(log_path, "ab") as out:
-                proc = subprocess.Popen(list(command), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=subprocess.STDOUT, preexec_fn=_child_setup)
+                proc = subprocess.Popen(die_with_parent(list(command)), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             worker = Worker(local_rank, assignment.first_rank + local_rank, proc, log_path)
             self.workers.append(worker)
             threading.Thread(target=self._wait, args=(worker,), daemon=True,

@@ -8,13 +8,13 @@ run leaves no etcd behind.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +23,6 @@ from stalwart.coord.config import EtcdConfig
 from stalwart.coord.errors import CoordError
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -32,12 +31,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-    os.setsid()
+# Runs between the new process and the real program: asks the kernel to SIGKILL it when its
+# parent dies, checks the parent did not die already, then becomes the program (execvp keeps the
+# setting). Done this way rather than with ``preexec_fn``, which runs Python code in the forked
+# child and can deadlock there when the parent has gRPC threads.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9)\n"
+    "os.getppid() == int(sys.argv[1]) or os._exit(70)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` wrapped so that the process is SIGKILLed when the calling process dies (Linux)."""
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 @dataclass(frozen=True)
@@ -158,8 +166,8 @@ class LocalEtcd:
     def _spawn(self, m: Member) -> None:
         with open(m.log_file, "ab") as err:
             m.proc = subprocess.Popen(
-                self._args(m), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                preexec_fn=_die_with_parent,
+                die_with_parent(self._args(m)), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                start_new_session=True,
             )
 
     def wait_ready(self, timeout: float = 20.0, members: list[Member] | None = None) -> None:

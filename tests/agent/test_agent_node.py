@@ -172,3 +172,38 @@ def test_mutual_tls_refuses_a_client_without_the_right_certificate(etcd_server: 
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     with pytest.raises(grpc.RpcError):
         agent_pb2_grpc.AgentStub(grpc.insecure_channel(target)).Ping(agent_pb2.PingRequest(), timeout=3)
+
+
+def test_metrics_and_grpc_health(etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path,
+                                 start_agent) -> None:
+    import urllib.request
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    job = f"metrics-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job, metrics_port=0))
+    channel = grpc.insecure_channel(f"127.0.0.1:{agent.port}")
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="stalwart.v1.Agent"),
+                                                      timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    _open_round(etcd_client, keys, 1, [("n0", agent.address)])
+    _wait(lambda: len(_running_steps(agent)) == 2 and min(_running_steps(agent)) > 3, 30, "workers stepping")
+    _stub(agent).InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_GPU_XID, device=0, code=79), timeout=5)
+    _wait(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_FATAL,
+          2, "a fatal verdict")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).read().decode()
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert samples['stalwart_agent_steps_total{node="n0",rank="0"}'] > 3
+    assert samples['stalwart_agent_round{node="n0"}'] == 1
+    assert samples['stalwart_agent_health_findings{code="xid-79",node="n0",severity="HEALTH_FATAL"}'] == 1
+    assert samples['stalwart_agent_faults_total{kind="injected-xid-79",node="n0"}'] == 1
+
+
+def test_nvml_probe_without_a_gpu() -> None:
+    from stalwart.agent.health import FakeProbe, make_probe
+
+    with pytest.raises(RuntimeError):
+        make_probe("nvml", 2)
+    assert isinstance(make_probe("auto", 2), FakeProbe)

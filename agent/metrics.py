@@ -1,0 +1,47 @@
+"""The agent's Prometheus metrics, in a registry of its own (several agents can share a process in tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class AgentMetrics:
+    def __init__(self, node: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"node": node}
+        self.steps = Counter("stalwart_agent_steps", "Training steps completed, per worker (rate() = step rate)",
+                             ["node", "rank"], registry=self.registry)
+        self.last_step = Gauge("stalwart_agent_last_step", "Last step completed, per worker", ["node", "rank"],
+                               registry=self.registry)
+        self.step_seconds = Gauge("stalwart_agent_step_seconds", "Duration of the last step, per worker",
+                                  ["node", "rank"], registry=self.registry)
+        self.stalls = Counter("stalwart_agent_stalls", "Workers declared stalled", ["node"], registry=self.registry)
+        self.faults = Counter("stalwart_agent_faults", "Faults seen, by kind (worker exits, GPU findings, injected)",
+                              ["node", "kind"], registry=self.registry)
+        self.restarts = Counter("stalwart_agent_worker_starts", "Worker groups started (one per round joined)",
+                                ["node"], registry=self.registry)
+        self.checkpoint_time = Gauge("stalwart_agent_last_checkpoint_timestamp_seconds",
+                                     "Unix time of the last committed checkpoint reported by a worker "
+                                     "(time() minus this is the checkpoint age)", ["node"], registry=self.registry)
+        self.findings = Gauge("stalwart_agent_health_findings", "Current health findings, by code and severity",
+                              ["node", "code", "severity"], registry=self.registry)
+        self.round = Gauge("stalwart_agent_round", "Round this node's workers run in (0: none)", ["node"],
+                           registry=self.registry)
+        self._node = node
+        for counter in (self.stalls, self.restarts):
+            counter.labels(**labels)  # export zero from the start
+
+    def step(self, rank: int, step: int, step_time: float) -> None:
+        r = str(rank)
+        self.steps.labels(self._node, r).inc()
+        self.last_step.labels(self._node, r).set(step)
+        self.step_seconds.labels(self._node, r).set(step_time)
+
+    def set_findings(self, findings: list[tuple[str, str]]) -> None:
+        self.findings.clear()
+        for code, severity in findings:
+            self.findings.labels(self._node, code, severity).inc()
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_address[1])
