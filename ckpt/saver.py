@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -39,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import xxhash
 
 from stalwart.ckpt import codec, storage
 from stalwart.ckpt.coord import Coordinator, default_coordinator
@@ -51,7 +51,6 @@ from stalwart.ckpt.errors import (
     SaveInProgress,
 )
 from stalwart.ckpt.format import (
-    HEADER_SIZE,
     MANIFEST_NAME,
     build_content,
     canonical_json,
@@ -63,6 +62,7 @@ from stalwart.ckpt.format import (
 from stalwart.ckpt.layout import chunk_bounds
 from stalwart.ckpt.retention import RetentionPolicy, collect_garbage
 from stalwart.ckpt.shard import Entry, Shard, entries_for_save
+from stalwart.ckpt.writer import DirectIO, ShardWriter
 
 log = logging.getLogger(__name__)
 _ALIGN = 64
@@ -80,6 +80,7 @@ class SaveConfig:
     snapshot: Literal["blocking", "overlap"] = "blocking"
     retention: RetentionPolicy | None = field(default_factory=RetentionPolicy)
     max_metadata_bytes: int = 1 << 20
+    direct_io: DirectIO = "auto"
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= 1 << 30:
@@ -92,6 +93,8 @@ class SaveConfig:
             raise ValueError(f"if_busy must be 'wait' or 'raise', got {self.if_busy!r}")
         if self.snapshot not in ("blocking", "overlap"):
             raise ValueError(f"snapshot must be 'blocking' or 'overlap', got {self.snapshot!r}")
+        if self.direct_io not in ("auto", "on", "off"):
+            raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
         if self.max_metadata_bytes < 0:
             raise ValueError(f"max_metadata_bytes must be >= 0, got {self.max_metadata_bytes}")
 
@@ -343,35 +346,27 @@ class Checkpointer:
             e.name: {"dtype": e.dtype, "shape": list(e.region.shape), "region": e.region.to_json(), "chunks": []}
             for e in entries
         }
-        fd = os.open(os.path.join(step_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        out = ShardWriter(os.path.join(step_dir, name), self.config.direct_io)
         try:
-            hasher = xxhash.xxh3_128()
-            header = pack_header(self.rank, self.world_size, step)
-            _write_all(fd, header)
-            hasher.update(header)
-            pos = HEADER_SIZE
+            out.write(pack_header(self.rank, self.world_size, step))
             window = 2 * self.config.encode_threads
             pending: collections.deque[tuple[int, int, concurrent.futures.Future[Any]]] = collections.deque()
             queue = iter(jobs)
-            for index, raw in queue:
+            for index, raw in itertools.islice(queue, window):
                 pending.append((index, len(raw), self._pool.submit(codec.encode, raw, policy)))
-                if len(pending) >= window:
-                    break
             while pending:
                 index, raw_size, future = pending.popleft()
                 kind, stored, digest = future.result()
-                for index_next, raw in queue:
+                for index_next, raw in itertools.islice(queue, 1):
                     pending.append((index_next, len(raw), self._pool.submit(codec.encode, raw, policy)))
-                    break
-                _write_all(fd, stored)
-                hasher.update(stored)
-                tensors[entries[index].name]["chunks"].append([pos, len(stored), raw_size, kind, digest])
-                pos += len(stored)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+                tensors[entries[index].name]["chunks"].append([out.size, len(stored), raw_size, kind, digest])
+                out.write(stored)
+            size, file_digest = out.finish()
+        except BaseException:
+            out.abort()
+            raise
         storage.fsync_dir(step_dir)
-        return {"file": {"name": name, "rank": self.rank, "size": pos, "digest": hasher.hexdigest()}, "tensors": tensors}
+        return {"file": {"name": name, "rank": self.rank, "size": size, "digest": file_digest}, "tensors": tensors}
 
     def _commit(
         self,
@@ -442,8 +437,3 @@ class Checkpointer:
             except Exception:
                 log.exception("step %d rank 0: retention failed", info.step)
 
-
-def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
