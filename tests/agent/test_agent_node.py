@@ -207,3 +207,34 @@ def test_nvml_probe_without_a_gpu() -> None:
     with pytest.raises(RuntimeError):
         make_probe("nvml", 2)
     assert isinstance(make_probe("auto", 2), FakeProbe)
+
+
+def test_peer_probes_name_the_unreachable_member(etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path,
+                                                 start_agent) -> None:
+    from stalwart.coord.local import free_port
+
+    job = f"peers-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    a = start_agent(_config(etcd_server, tmp_path / "a", job))
+    b = start_agent(_config(etcd_server, tmp_path / "b", job, node_id="n1"))
+    _open_round(etcd_client, keys, 1, [("n0", a.address), ("n1", b.address), ("ghost", f"127.0.0.1:{free_port()}")])
+    for node in ("n0", "n1"):
+        _wait(lambda node=node: list((_health(etcd_client, keys, node) or records_pb2.HealthRecord())
+                                     .unreachable_peers) == ["ghost"], 10, f"{node} reporting only the ghost")
+
+
+def test_drain_cordons_and_stops_workers(etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path,
+                                         start_agent) -> None:
+    job = f"drain-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job))
+    _open_round(etcd_client, keys, 1, [("n0", agent.address)])
+    _wait(lambda: len(_running_steps(agent)) == 2, 30, "workers running")
+    reply = _stub(agent).Drain(agent_pb2.DrainRequest(wait=True, timeout=20), timeout=30)
+    assert reply.drained, reply.detail
+    node = records_pb2.NodeRecord.FromString(etcd_client.get(keys.node("n0")).value)  # type: ignore[union-attr]
+    assert node.cordoned
+    assert _running_steps(agent) == []
+    _open_round(etcd_client, keys, 2, [("n0", agent.address)])  # a drained node does not start workers again
+    _wait(lambda: agent.status().round == 2, 10, "round 2 seen")
+    assert _running_steps(agent) == []
