@@ -180,3 +180,28 @@ def test_healthy_node_joins_and_gets_a_fresh_master_per_round(etcd_server: Local
         assert len(published) == 2, [kv.key for kv in kvs]
     finally:
         handler.shutdown()
+
+
+def test_rdzv_conf_options_reach_the_etcd_client(etcd_server: LocalEtcd, tls_dir, make_etcd,  # type: ignore[no-untyped-def]
+                                                 server_tls) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from stalwart.agent.torchrun_backend import create_rendezvous_handler, etcd_config_from_params
+
+    params = RendezvousParameters(backend="stalwart", endpoint="h1:2379,h2:2379", run_id="j", min_nodes=1,
+                                  max_nodes=2, ca_file=str(tls_dir / "ca.crt"), cert_file=str(tls_dir / "client.crt"),
+                                  key_file=str(tls_dir / "client.key"), user="u", password="p", etcd_timeout="3")
+    config = etcd_config_from_params(params)
+    assert config.endpoints == ("h1:2379", "h2:2379") and config.timeout == 3.0
+    assert (config.ca_file, config.user) == (str(tls_dir / "ca.crt"), "u")
+    # and a real mutual-TLS etcd is reachable with them
+    etcd = make_etcd(1, tls=server_tls)
+    tls_params = RendezvousParameters(backend="stalwart", endpoint=etcd.endpoints[0], run_id="tls", min_nodes=1,
+                                      max_nodes=1, ca_file=str(tls_dir / "ca.crt"),
+                                      cert_file=str(tls_dir / "client.crt"), key_file=str(tls_dir / "client.key"))
+    handler = create_rendezvous_handler(tls_params)
+    try:
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+    finally:
+        handler.shutdown()
