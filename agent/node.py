@@ -350,8 +350,19 @@ class NodeAgent:
     def worker_checkpoint(self, rank: int, step: int, path: str, committed: bool) -> None:
         log.info("agent %s: rank %d checkpoint at step %d %s", self.config.node_id, rank, step,
                  "committed" if committed else "started")
-        if committed:
-            self.metrics.checkpoint_time.labels(self.config.node_id).set(time.time())
+        if not committed:
+            return
+        self.metrics.checkpoint_time.labels(self.config.node_id).set(time.time())
+        if rank != 0:
+            return  # one commit record per checkpoint, from the agent of rank 0
+        with self._lock:
+            rnd = self._state.round
+        record = records_pb2.CheckpointRecord(step=step, path=path, world_size=rnd.world_size if rnd else 0,
+                                              round=rnd.number if rnd else 0, committed_at=time.time())
+        try:
+            self.client.create(self.keys.ckpt(step), record.SerializeToString())
+        except CoordError as exc:
+            log.error("agent %s: cannot record checkpoint %d in etcd: %s", self.config.node_id, step, exc)
 
     def status(self) -> agent_pb2.NodeStatus:
         with self._lock:

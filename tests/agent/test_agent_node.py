@@ -238,3 +238,23 @@ def test_drain_cordons_and_stops_workers(etcd_server: LocalEtcd, etcd_client: Et
     _open_round(etcd_client, keys, 2, [("n0", agent.address)])  # a drained node does not start workers again
     _wait(lambda: agent.status().round == 2, 10, "round 2 seen")
     assert _running_steps(agent) == []
+
+
+def test_committed_checkpoint_of_rank_zero_is_recorded(etcd_server: LocalEtcd, etcd_client: EtcdClient,
+                                                       tmp_path: Path, start_agent) -> None:
+    from stalwart.trainer.agent_client import AgentClient
+
+    job = f"ckptrec-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job))
+    _open_round(etcd_client, keys, 3, [("n0", agent.address)])
+    _wait(lambda: agent.status().round == 3, 10, "round 3")
+    for rank in (1, 0):
+        client = AgentClient(str(agent.config.socket_path), rank=rank, local_rank=rank, round_number=3)
+        client.checkpoint(120, "/ckpt/step-120", committed=True)
+        client.close()
+    _wait(lambda: etcd_client.get(keys.ckpt(120)) is not None, 5, "the commit record")
+    record = records_pb2.CheckpointRecord.FromString(etcd_client.get(keys.ckpt(120)).value)  # type: ignore[union-attr]
+    assert (record.step, record.path, record.round, record.world_size) == (120, "/ckpt/step-120", 3, 2)
+    kvs, _ = etcd_client.get_prefix(keys.ckpt_prefix)
+    assert len(kvs) == 1
