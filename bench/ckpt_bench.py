@@ -129,11 +129,11 @@ def run_dcp(workdir: str, state: dict[str, torch.Tensor], nbytes: int, repeats: 
     return best
 
 
-def simulated_compute(seconds_hint: int) -> float:
+def simulated_compute(iterations: int) -> float:
     """A stand-in for forward/backward: matmuls on the CPU; returns how long they took."""
     a = torch.randn(512, 512)
     started = time.perf_counter()
-    for _ in range(seconds_hint):
+    for _ in range(iterations):
         a = torch.tanh(a @ a / 512)
     return time.perf_counter() - started
 
@@ -173,7 +173,8 @@ def run_stalwart(workdir: str, state: dict[str, torch.Tensor], nbytes: int, repe
 def bench_size(workdir: str, nbytes: int, repeats: int) -> dict[str, Any]:
     print(f"\n== {nbytes / MiB:.0f} MiB: building the state", flush=True)
     state = make_state(nbytes)
-    compute_iters = 40
+    per_iter = min(simulated_compute(10) for _ in range(3)) / 10
+    compute_iters = max(1, round(1.0 / per_iter))  # a simulated forward/backward of about 1 s
     compute_alone_s = min(simulated_compute(compute_iters) for _ in range(3))
     results: dict[str, Any] = {"bytes": nbytes, "simulated_step_s": compute_alone_s}
     results["dd"] = max((run_dd(workdir, nbytes) for _ in range(repeats)), key=lambda r: r["throughput_GBps"])

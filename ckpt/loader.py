@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from stalwart.ckpt import codec, storage
-from stalwart.ckpt.coord import Coordinator, SingleCoordinator
+from stalwart.ckpt.coord import Coordinator, default_coordinator
 from stalwart.ckpt.errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -73,15 +73,16 @@ def load(
     """Fill ``targets`` (name -> tensor or :class:`Shard`, in place) from the newest good checkpoint.
 
     With ``step`` only that checkpoint is tried, and its error is raised. Every rank of a world
-    must call ``load`` with the same ``root`` and ``step`` (use the same kind of coordinator as
-    for saving; default: a world of one, each process deciding alone). Raises
+    must call ``load`` with the same ``root`` and ``step``: like saving, the default coordinator
+    is torch.distributed when a process group is initialized (a collective call, as DCP's load),
+    else a world of one. Pass ``SingleCoordinator()`` to load in one process alone. Raises
     :class:`CheckpointNotFound` when no checkpoint could be loaded, :class:`LayoutMismatch` when
     the request does not fit, and, with ``step``, :class:`CheckpointCorrupt` /
     :class:`UnsupportedFormat`.
     """
     if io_threads < 1:
         raise ValueError(f"io_threads must be >= 1, got {io_threads}")
-    coord = coordinator or SingleCoordinator()
+    coord = coordinator or default_coordinator(timeout_s)
     entries = entries_for_load(targets)
     if coord.rank == 0:
         candidates = [step] if step is not None else storage.committed_steps(root)

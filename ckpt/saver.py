@@ -18,7 +18,8 @@ Order of one save, on every rank (rank 0 also commits):
    ranks the outcome. Then rank 0 applies the retention policy.
 
 Host memory: one buffer of the rank's state size, kept between saves (grown when the state
-grows), plus at most ``2 * encode_threads`` chunks being compressed. Saves never overlap.
+grows, freed by ``close()``), plus at most ``2 * encode_threads`` chunks being encoded and two
+8 MiB write buffers. Saves never overlap, so that is the bound.
 
 If rank 0 dies after writing the manifest and before announcing it, other ranks report
 :class:`CommitTimeout` although the checkpoint is committed; a loader will use it.
@@ -225,6 +226,7 @@ class Checkpointer:
             return
         self._closed = True
         handle = self._inflight
+        self._arena = None
         if handle is not None:
             exc = handle.exception()
             if exc is not None:

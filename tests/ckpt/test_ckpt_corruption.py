@@ -121,11 +121,13 @@ def test_flipped_bits_anywhere_in_the_manifest(tmp_path):
     path = _path(root, 2, MANIFEST_NAME)
     with open(path, "rb") as f:
         original = f.read()
-    for offset in range(0, len(original), max(1, len(original) // 25)):
+    for n, offset in enumerate(range(0, len(original), max(1, len(original) // 25))):
         _flip(path, offset, bit=offset % 7)
         with pytest.raises((CheckpointCorrupt, UnsupportedFormat)):
             read_manifest(root, 2)
         _assert_falls_back(root, (CheckpointCorrupt, UnsupportedFormat))
+        if n == 10:
+            assert _verify_cli(root, 2).returncode == 1
         with open(path, "wb") as f:
             f.write(original)
     assert verify(root, 2).ok
@@ -160,6 +162,7 @@ def test_empty_or_garbage_manifest(tmp_path, content):
     report = verify(root, 2)
     assert [type(p) for p in report.problems] == [CheckpointCorrupt]
     _assert_falls_back(root, CheckpointCorrupt)
+    assert _verify_cli(root, 2).returncode == 1
 
 
 def test_unknown_format_version(tmp_path):
