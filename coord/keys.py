@@ -8,6 +8,9 @@ Layout (see DESIGN.md)::
     /stalwart/<job>/leader              daemon leader, bound to the leader's lease
     /stalwart/<job>/round               current round
     /stalwart/<job>/ckpt/<step>         commit record of a checkpoint
+    /stalwart/<job>/cordon/<node>       operator hold (cordon, drain) or its lifting; no lease
+    /stalwart/<job>/faults/<node>       the daemon's fault times and quarantine of a node; no lease
+    /stalwart/<job>/status              the daemon leader's latest "why no round" (rate-limited)
     /stalwart/<job>/torchrun/state      torchrun rendezvous state (``--rdzv-backend stalwart``)
     /stalwart/<job>/torchrun/store/...  torchrun rendezvous store keys (chosen by torch)
 
@@ -35,6 +38,9 @@ class Kind(Enum):
     LEADER = "leader"
     ROUND = "round"
     TORCHRUN = "torchrun"
+    CORDON = "cordon"
+    FAULTS = "faults"
+    STATUS = "status"
 
 
 def check_name(what: str, name: str) -> str:
@@ -84,6 +90,26 @@ class JobKeys:
     def ckpt_prefix(self) -> str:
         return self._per(Kind.CKPT)
 
+    @property
+    def cordon_prefix(self) -> str:
+        return self._per(Kind.CORDON)
+
+    @property
+    def faults_prefix(self) -> str:
+        return self._per(Kind.FAULTS)
+
+    def cordon(self, node: str) -> str:
+        """Operator holds live apart from the node key: they must outlive the agent's lease."""
+        return self.cordon_prefix + check_name("node", node)
+
+    def faults(self, node: str) -> str:
+        """Fault history and quarantine, kept by the daemon so that a standby leader inherits them."""
+        return self.faults_prefix + check_name("node", node)
+
+    @property
+    def status(self) -> str:
+        return self.prefix + Kind.STATUS.value
+
     def node(self, node: str) -> str:
         return self.nodes_prefix + check_name("node", node)
 
@@ -125,7 +151,7 @@ class JobKeys:
             kind = Kind(head)
         except ValueError:
             return None
-        if kind in (Kind.LEADER, Kind.ROUND):
+        if kind in (Kind.LEADER, Kind.ROUND, Kind.STATUS):
             return ParsedKey(kind, None) if not sep else None
         if kind is Kind.TORCHRUN:
             return ParsedKey(kind, name) if sep and name else None

@@ -97,7 +97,9 @@ class MachineState:
     """Everything the round machine knows; plain data, mutated only by :class:`RoundMachine`.
 
     ``waiting`` indexes the eligible nodes outside the world (state WAITING, registered,
-    HEALTHY) so that counting them is O(1). ``last_round_number`` is the number of the newest
+    HEALTHY) so that counting them is O(1). ``fault_changes`` names the nodes whose fault times or
+    quarantine changed; the loop persists those and empties the set, so that a standby leader
+    inherits them (:meth:`RoundMachine.restore_node`). ``last_round_number`` is the number of the newest
     round ever opened (0: none yet); a new round is always numbered one above it.
     """
 
@@ -109,6 +111,7 @@ class MachineState:
     committed_step: int | None = None
     last_status: str | None = None
     now: float = -math.inf
+    fault_changes: set[str] = field(default_factory=set)
 
 
 def name_unreachable_node(members: Sequence[str], reports: Mapping[str, Iterable[str]]) -> str | None:
@@ -143,6 +146,8 @@ class RoundMachine:
         # Collected while one batch is applied, acted on once at its end.
         self._broken: list[str] = []
         self._regrow_trigger: str | None = None
+        # Members that restore_node held out: the next batch replaces the round without them.
+        self._pending_broken: list[str] = []
 
     @classmethod
     def resume(cls, policy: RoundPolicy, current: OpenRound | None, last_round_number: int,
@@ -173,6 +178,31 @@ class RoundMachine:
                  st.last_round_number, len(st.nodes), committed_step)
         return machine
 
+    def restore_node(self, node_id: str, fault_ages: Sequence[float], quarantined: bool) -> None:
+        """Put back a node's recent faults and quarantine as a previous leader persisted them.
+
+        Call after :meth:`resume` and before the first :meth:`handle_batch`. ``fault_ages`` are
+        seconds before ``state.now`` (ages outside the quarantine window are dropped). A node not
+        known yet gets a record that waits for its registration (LOST, or QUARANTINED); a member
+        of the resumed round that was quarantined leaves it at the next batch.
+        """
+        st, pol = self.state, self.policy
+        if not isinstance(node_id, str) or not node_id:
+            log.warning("round %d: ignored restore of node %r: not a node id", self._round_no(), node_id)
+            return
+        faults = sorted(st.now - age for age in fault_ages
+                        if math.isfinite(age) and 0 <= age < pol.quarantine_window)
+        rec = st.nodes.get(node_id)
+        if rec is None:
+            held = NodeState.QUARANTINED if quarantined else NodeState.LOST
+            rec = st.nodes[node_id] = NodeRecord(node_id, "", 1, state=held, registered=False)
+        rec.faults = faults
+        if quarantined and rec.state is not NodeState.QUARANTINED:
+            self._move(rec, NodeState.QUARANTINED, "quarantined before this leader took over")
+            if self._in_round(node_id):
+                self._pending_broken.append(f"node {node_id} is quarantined")
+        st.fault_changes.discard(node_id)
+
     # --- entry point ----------------------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Decision]:
@@ -195,7 +225,8 @@ class RoundMachine:
             return []
         st = self.state
         st.now = now = max(float(now), st.now)
-        self._broken, self._regrow_trigger = [], None
+        self._broken, self._regrow_trigger = self._pending_broken, None
+        self._pending_broken = []
         for event in events:
             problem = malformed(event)
             if problem is not None:
@@ -353,6 +384,7 @@ class RoundMachine:
                      self._round_no(), rec.node_id, rec.state.value)
             return
         rec.faults.clear()
+        self.state.fault_changes.add(rec.node_id)
         if not rec.registered:
             target = NodeState.LOST
         elif rec.health is Health.FATAL:
@@ -542,6 +574,7 @@ class RoundMachine:
         """Record a fault; quarantine the node (returning True) when it has too many recent ones."""
         pol = self.policy
         rec.faults = [t for t in rec.faults if now - t < pol.quarantine_window] + [now]
+        self.state.fault_changes.add(rec.node_id)
         log.info("round %d: node %s: fault %d within %gs: %s",
                  self._round_no(), rec.node_id, len(rec.faults), pol.quarantine_window, why)
         if len(rec.faults) < pol.quarantine_faults or rec.state in HELD:
@@ -555,6 +588,8 @@ class RoundMachine:
         if old is not new:
             check_transition(rec.node_id, old, new)
             rec.state = new
+            if NodeState.QUARANTINED in (old, new):
+                self.state.fault_changes.add(rec.node_id)
             log.info("round %d: node %s: %s -> %s: %s", self._round_no(), rec.node_id, old.value, new.value, why)
         self._sync(rec)
 

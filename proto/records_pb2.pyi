@@ -13,10 +13,19 @@ class HealthState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HEALTH_OK: _ClassVar[HealthState]
     HEALTH_TRANSIENT: _ClassVar[HealthState]
     HEALTH_FATAL: _ClassVar[HealthState]
+
+class HoldKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HOLD_NONE: _ClassVar[HoldKind]
+    HOLD_CORDON: _ClassVar[HoldKind]
+    HOLD_DRAIN: _ClassVar[HoldKind]
 HEALTH_UNKNOWN: HealthState
 HEALTH_OK: HealthState
 HEALTH_TRANSIENT: HealthState
 HEALTH_FATAL: HealthState
+HOLD_NONE: HoldKind
+HOLD_CORDON: HoldKind
+HOLD_DRAIN: HoldKind
 
 class NodeRecord(_message.Message):
     __slots__ = ("node_id", "address", "devices", "hostname", "versions", "registered_at", "cordoned")
@@ -110,7 +119,7 @@ class RoundMember(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., first_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RoundRecord(_message.Message):
-    __slots__ = ("number", "members", "world_size", "master_addr", "master_port", "has_restore_step", "restore_step", "reason", "decided_by", "decided_at")
+    __slots__ = ("number", "members", "world_size", "master_addr", "master_port", "has_restore_step", "restore_step", "reason", "decided_by", "decided_at", "closed")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +130,7 @@ class RoundRecord(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECIDED_BY_FIELD_NUMBER: _ClassVar[int]
     DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
     number: int
     members: _containers.RepeatedCompositeFieldContainer[RoundMember]
     world_size: int
@@ -131,7 +141,8 @@ class RoundRecord(_message.Message):
     reason: str
     decided_by: str
     decided_at: float
-    def __init__(self, number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[RoundMember, _Mapping]]] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., has_restore_step: _Optional[bool] = ..., restore_step: _Optional[int] = ..., reason: _Optional[str] = ..., decided_by: _Optional[str] = ..., decided_at: _Optional[float] = ...) -> None: ...
+    closed: bool
+    def __init__(self, number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[RoundMember, _Mapping]]] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., has_restore_step: _Optional[bool] = ..., restore_step: _Optional[int] = ..., reason: _Optional[str] = ..., decided_by: _Optional[str] = ..., decided_at: _Optional[float] = ..., closed: _Optional[bool] = ...) -> None: ...
 
 class CheckpointRecord(_message.Message):
     __slots__ = ("step", "path", "manifest_digest", "world_size", "round", "committed_at")
@@ -148,3 +159,43 @@ class CheckpointRecord(_message.Message):
     round: int
     committed_at: float
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., world_size: _Optional[int] = ..., round: _Optional[int] = ..., committed_at: _Optional[float] = ...) -> None: ...
+
+class CordonRecord(_message.Message):
+    __slots__ = ("node_id", "kind", "reason", "by", "at")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    kind: HoldKind
+    reason: str
+    by: str
+    at: float
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[HoldKind, str]] = ..., reason: _Optional[str] = ..., by: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
+
+class FaultRecord(_message.Message):
+    __slots__ = ("node_id", "fault_times", "quarantined", "reason", "written_by")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAULT_TIMES_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BY_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    fault_times: _containers.RepeatedScalarFieldContainer[float]
+    quarantined: bool
+    reason: str
+    written_by: str
+    def __init__(self, node_id: _Optional[str] = ..., fault_times: _Optional[_Iterable[float]] = ..., quarantined: _Optional[bool] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ...) -> None: ...
+
+class DaemonStatus(_message.Message):
+    __slots__ = ("reason", "round", "daemon_id", "at")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    round: int
+    daemon_id: str
+    at: float
+    def __init__(self, reason: _Optional[str] = ..., round: _Optional[int] = ..., daemon_id: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...

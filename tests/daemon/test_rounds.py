@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import pytest
+
 from stalwart.daemon.errors import TransitionError
 from stalwart.daemon.nodes import NodeState, check_transition
 from stalwart.daemon.policy import PolicyError, RoundPolicy

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import event as note_event
 from hypothesis import strategies as st
+
 from stalwart.daemon.nodes import NodeState
 from stalwart.daemon.policy import PolicyError, RoundPolicy
 from stalwart.daemon.round_events import (

@@ -1,0 +1,251 @@
+"""etcd values <-> the round machine's events and decisions: the daemon's only use of ``*_pb2``.
+
+Decoders take a value as stored under a job key and return plain data, or raise
+:class:`BadRecord` when the bytes are not the record the key calls for (so the caller can log
+and ignore it: a malformed value written by a broken agent must never stop the daemon).
+Encoders return the bytes to store.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError, Message
+
+from stalwart.daemon.errors import DaemonError
+from stalwart.daemon.round_events import CheckpointCommitted, CloseRound, Health, Member, OpenRound
+from stalwart.proto import records_pb2
+
+__all__ = [
+    "BadRecord", "FaultInfo", "Hold", "NodeInfo", "RoundInfo", "ckpt_summary", "decode_ckpt", "decode_cordon",
+    "decode_faults", "decode_health", "decode_node", "decode_progress", "decode_round", "encode_closed",
+    "encode_cordon", "encode_faults", "encode_leader", "encode_round", "encode_status", "health_name", "host_of",
+    "leader_summary", "round_summary", "status_summary",
+]
+
+
+class BadRecord(DaemonError, ValueError):
+    """An etcd value is not the record its key calls for (undecodable, or contradicts its key)."""
+
+
+class Hold(enum.Enum):
+    """An operator's hold on a node, as stored at ``cordon/<node>``."""
+
+    NONE = "none"  # lifted by uncordon
+    CORDON = "cordon"
+    DRAIN = "drain"
+
+
+_HOLD_FROM_PB = {records_pb2.HOLD_NONE: Hold.NONE, records_pb2.HOLD_CORDON: Hold.CORDON,
+                 records_pb2.HOLD_DRAIN: Hold.DRAIN}
+_HOLD_TO_PB = {v: k for k, v in _HOLD_FROM_PB.items()}
+_HEALTH = {records_pb2.HEALTH_OK: Health.HEALTHY, records_pb2.HEALTH_TRANSIENT: Health.TRANSIENT,
+           records_pb2.HEALTH_FATAL: Health.FATAL}
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node record. ``agent_address`` is the agent's service (host:port), put in round records
+    so that agents can probe each other; ``host`` is what peers use as the master address.
+    ``draining`` is the agent's own drain flag (``NodeRecord.cordoned``)."""
+
+    node_id: str
+    agent_address: str
+    host: str
+    devices: int
+    draining: bool
+
+
+@dataclass(frozen=True)
+class FaultInfo:
+    node_id: str
+    fault_times: tuple[float, ...]  # unix seconds
+    quarantined: bool
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """The round key: the newest round's number, and the round itself unless it was closed."""
+
+    number: int
+    current: OpenRound | None
+    decided_by: str
+
+
+def _parse(cls: type[Message], value: bytes, what: str) -> Message:
+    msg = cls()
+    try:
+        msg.ParseFromString(value)
+    except (DecodeError, ValueError, TypeError) as exc:
+        raise BadRecord(f"{what}: not a {cls.__name__}: {exc}") from exc
+    return msg
+
+
+def _check_id(record_id: str, node_id: str, what: str) -> None:
+    if record_id and record_id != node_id:
+        raise BadRecord(f"{what}: record names node {record_id!r}, key names {node_id!r}")
+
+
+def host_of(address: str) -> str:
+    """``host:port`` or ``[v6]:port`` -> the host; an address without a port is returned as is."""
+    if address.startswith("["):
+        return address[1:].partition("]")[0]
+    if address.count(":") == 1:
+        return address.partition(":")[0]
+    return address
+
+
+def decode_node(node_id: str, value: bytes) -> NodeInfo:
+    rec = _parse(records_pb2.NodeRecord, value, f"node {node_id}")
+    _check_id(rec.node_id, node_id, f"node {node_id}")
+    address = rec.address or rec.hostname
+    host = host_of(address) or rec.hostname
+    if not host:
+        raise BadRecord(f"node {node_id}: record has neither an address nor a hostname")
+    if rec.devices < 1:
+        raise BadRecord(f"node {node_id}: devices must be at least 1, got {rec.devices}")
+    return NodeInfo(node_id, address, host, int(rec.devices), bool(rec.cordoned))
+
+
+def decode_health(node_id: str, value: bytes) -> tuple[Health | None, str, frozenset[str]]:
+    """The verdict (None for HEALTH_UNKNOWN: no verdict yet), a detail for operators, and the
+    peers the node reports unreachable."""
+    rec = _parse(records_pb2.HealthRecord, value, f"health {node_id}")
+    _check_id(rec.node_id, node_id, f"health {node_id}")
+    detail = ", ".join(f"{f.code} on device {f.device}" if f.code else f.detail for f in rec.findings)
+    return _HEALTH.get(rec.state), detail, frozenset(rec.unreachable_peers)
+
+
+def decode_progress(node_id: str, value: bytes) -> tuple[int, int, float]:
+    """(round, step, reported_at)."""
+    rec = _parse(records_pb2.ProgressRecord, value, f"progress {node_id}")
+    _check_id(rec.node_id, node_id, f"progress {node_id}")
+    return int(rec.round), int(rec.step), float(rec.reported_at)
+
+
+def decode_ckpt(step: int, value: bytes) -> CheckpointCommitted:
+    rec = _parse(records_pb2.CheckpointRecord, value, f"checkpoint {step}")
+    if rec.step != step:
+        raise BadRecord(f"checkpoint {step}: record says step {rec.step}")
+    return CheckpointCommitted(step)
+
+
+def decode_cordon(node_id: str, value: bytes) -> Hold:
+    rec = _parse(records_pb2.CordonRecord, value, f"cordon {node_id}")
+    _check_id(rec.node_id, node_id, f"cordon {node_id}")
+    hold = _HOLD_FROM_PB.get(rec.kind)
+    if hold is None:
+        raise BadRecord(f"cordon {node_id}: unknown hold kind {rec.kind}")
+    return hold
+
+
+def decode_faults(node_id: str, value: bytes) -> FaultInfo:
+    rec = _parse(records_pb2.FaultRecord, value, f"faults {node_id}")
+    _check_id(rec.node_id, node_id, f"faults {node_id}")
+    return FaultInfo(node_id, tuple(rec.fault_times), bool(rec.quarantined))
+
+
+def decode_round(value: bytes) -> RoundInfo:
+    rec = _parse(records_pb2.RoundRecord, value, "round")
+    if rec.number < 1:
+        raise BadRecord(f"round: number must be at least 1, got {rec.number}")
+    ranks = [m.node_rank for m in rec.members]
+    if ranks != list(range(len(ranks))) or not rec.members:
+        raise BadRecord(f"round {rec.number}: members are not ranks 0..W-1: {ranks}")
+    if rec.closed:
+        return RoundInfo(int(rec.number), None, rec.decided_by)
+    members = tuple(Member(int(m.node_rank), m.node_id, host_of(m.address) or rec.master_addr,
+                           max(1, int(m.local_world_size))) for m in rec.members)
+    restore = int(rec.restore_step) if rec.has_restore_step else None
+    current = OpenRound(int(rec.number), members, len(members), rec.master_addr, int(rec.master_port),
+                        restore, rec.reason)
+    return RoundInfo(int(rec.number), current, rec.decided_by)
+
+
+def _round_record(decision: OpenRound, agent_addresses: Mapping[str, str], daemon_id: str,
+                  at: float) -> records_pb2.RoundRecord:
+    rec = records_pb2.RoundRecord(
+        number=decision.number, master_addr=decision.master_addr, master_port=decision.master_port,
+        reason=decision.reason, decided_by=daemon_id, decided_at=at,
+        has_restore_step=decision.restore_step is not None, restore_step=decision.restore_step or 0,
+    )
+    first = 0
+    for m in decision.members:
+        rec.members.add(node_id=m.node_id, node_rank=m.rank, first_rank=first, local_world_size=m.devices,
+                        address=agent_addresses.get(m.node_id, m.address))
+        first += m.devices
+    rec.world_size = first
+    return rec
+
+
+def encode_round(decision: OpenRound, agent_addresses: Mapping[str, str], daemon_id: str, at: float) -> bytes:
+    """The round record agents follow; ``world_size`` in it counts workers, not nodes."""
+    return _round_record(decision, agent_addresses, daemon_id, at).SerializeToString()
+
+
+def encode_closed(previous: bytes, decision: CloseRound, daemon_id: str, at: float) -> bytes:
+    """Round ``decision.number`` closed: its own record (``previous``) marked closed, so a round
+    number never names two different worlds."""
+    rec = _parse(records_pb2.RoundRecord, previous, "round")
+    if rec.number != decision.number:
+        raise BadRecord(f"round: closing round {decision.number} but the record is round {rec.number}")
+    rec.closed, rec.reason, rec.decided_by, rec.decided_at = True, decision.reason, daemon_id, at
+    return rec.SerializeToString()
+
+
+def encode_faults(node_id: str, fault_times: Sequence[float], quarantined: bool, reason: str,
+                  daemon_id: str) -> bytes:
+    return records_pb2.FaultRecord(node_id=node_id, fault_times=list(fault_times), quarantined=quarantined,
+                                   reason=reason, written_by=daemon_id).SerializeToString()
+
+
+def encode_status(reason: str, round_number: int, daemon_id: str, at: float) -> bytes:
+    return records_pb2.DaemonStatus(reason=reason, round=round_number, daemon_id=daemon_id,
+                                    at=at).SerializeToString()
+
+
+def encode_leader(daemon_id: str, address: str, at: float) -> bytes:
+    return records_pb2.LeaderRecord(daemon_id=daemon_id, address=address, elected_at=at).SerializeToString()
+
+
+def encode_cordon(node_id: str, hold: Hold, reason: str, by: str, at: float) -> bytes:
+    return records_pb2.CordonRecord(node_id=node_id, kind=_HOLD_TO_PB[hold], reason=reason, by=by,
+                                    at=at).SerializeToString()
+
+
+# --- summaries for display (``stalwart status``): plain, JSON-ready dicts -----------------------
+
+
+def round_summary(value: bytes) -> dict[str, object]:
+    rec = _parse(records_pb2.RoundRecord, value, "round")
+    return {
+        "number": int(rec.number), "closed": bool(rec.closed), "nodes": len(rec.members),
+        "workers": int(rec.world_size), "members": [m.node_id for m in rec.members],
+        "master": f"{rec.master_addr}:{rec.master_port}" if rec.master_addr else "",
+        "restore_step": int(rec.restore_step) if rec.has_restore_step else None,
+        "reason": rec.reason, "decided_by": rec.decided_by, "decided_at": rec.decided_at,
+    }
+
+
+def ckpt_summary(step: int, value: bytes) -> dict[str, object]:
+    rec = _parse(records_pb2.CheckpointRecord, value, f"checkpoint {step}")
+    return {"step": int(rec.step), "path": rec.path, "world_size": int(rec.world_size), "round": int(rec.round),
+            "committed_at": rec.committed_at, "manifest_digest": rec.manifest_digest}
+
+
+def leader_summary(value: bytes) -> dict[str, object]:
+    rec = _parse(records_pb2.LeaderRecord, value, "leader")
+    return {"daemon_id": rec.daemon_id, "address": rec.address, "elected_at": rec.elected_at}
+
+
+def status_summary(value: bytes) -> dict[str, object]:
+    rec = _parse(records_pb2.DaemonStatus, value, "status")
+    return {"reason": rec.reason, "round": int(rec.round), "daemon_id": rec.daemon_id, "at": rec.at}
+
+
+def health_name(value: bytes, node_id: str) -> str:
+    """``ok``, ``transient``, ``fatal`` or ``unknown`` for display."""
+    health, _, _ = decode_health(node_id, value)
+    return "unknown" if health is None else {"healthy": "ok"}.get(health.value, health.value)

@@ -1,0 +1,394 @@
+"""The daemon process: leader election, then the loop that feeds the round machine from etcd.
+
+Protocol, in order:
+
+1. Grant a lease (``lease_ttl``) and campaign on ``JobKeys.leader`` with a ``LeaderRecord``.
+   Standbys wait in the campaign; the leader key goes away with the leader's lease.
+2. As leader: read the job prefix once, rebuild the machine with ``RoundMachine.resume`` (plus
+   the fault history and quarantines of the previous leader) and feed it what etcd holds.
+3. Open ONE prefix watch on the job at the read's revision + 1; feed each watch response (and
+   what arrives within ``batch_window`` after it) to ``handle_batch``, a ``Tick`` when nothing
+   arrives for ``tick_interval``.
+4. Write each decision with ``Election.guarded_txn``: an ``OpenRound`` as the round record, also
+   comparing the round key's mod revision with the one this leader last read or wrote, so two
+   leaders can never write two records for one round number; a ``CloseRound`` marks the same
+   record closed; a ``Status`` goes to the status key, rate-limited. Fault histories that
+   changed are written after each batch.
+5. On any doubt (lease lost, ``NotLeader``, a round write that lost its compare, etcd gone,
+   compacted watch history) stop deciding at once, drop the machine and go back to 1; the
+   next term re-reads everything, so no decision is made twice and no round number is skipped.
+
+Liveness of a node is its node key bound to its agent's lease: a DELETE is a lost lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import Counter as Tally
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from stalwart.coord.client import EtcdClient, TxnResult
+from stalwart.coord.election import Election, Leadership
+from stalwart.coord.errors import CoordError, EtcdTimeout, LeaseLost, NotLeader
+from stalwart.coord.keys import JobKeys
+from stalwart.coord.lease import Lease
+from stalwart.coord.txn import Delete, Get, Op, Put, absent, mod_revision_is
+from stalwart.coord.watch import Watch, WatchEvent
+from stalwart.daemon import codec
+from stalwart.daemon.config import DaemonConfig
+from stalwart.daemon.errors import DaemonError
+from stalwart.daemon.feed import Feed
+from stalwart.daemon.nodes import NodeState
+from stalwart.daemon.observe import HealthService, Metrics, SystemdNotifier
+from stalwart.daemon.round_events import (
+    CloseRound,
+    Decision,
+    Drain,
+    Event,
+    Health,
+    HealthVerdict,
+    OpenRound,
+    Status,
+    Tick,
+)
+from stalwart.daemon.round_events import (
+    LeaseLost as NodeLeaseLost,
+)
+from stalwart.daemon.rounds import RoundMachine
+
+__all__ = ["Daemon", "RoundConflict"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_MAX_BATCH = 200_000
+_TXN_OPS = 100  # etcd refuses transactions of more than 128 operations by default
+
+
+class RoundConflict(DaemonError):
+    """The round key changed under this leader (its compare failed while leadership held):
+    someone else wrote a round. The leader re-reads the job before deciding again."""
+
+
+class _StepDown(Exception):
+    """Internal: stop deciding in this term (the reason is logged where it is raised)."""
+
+
+@dataclass
+class _Term:
+    """One term of leadership: the machine and what the writes compare against."""
+
+    leadership: Leadership
+    lease: Lease
+    machine: RoundMachine
+    feed: Feed
+    round_revision: int
+    round_value: bytes
+    watch_from: int = 0
+    fault_seen_at: float | None = None
+    pending_status: str | None = None
+    status_written_at: float = -float("inf")
+    scanned_at: float = -float("inf")
+
+
+class Daemon:
+    """One rendezvous daemon of one job. Run it with :meth:`run`; set ``stop`` to end it.
+
+    Collaborators are passed in; :meth:`from_config` builds the real ones (etcd client, metrics
+    server, gRPC health service, systemd notifier). ``clock`` is monotonic seconds (the machine's
+    ``now``), ``wall`` unix seconds (written into records).
+    """
+
+    def __init__(self, config: DaemonConfig, client: EtcdClient, *, metrics: Metrics | None = None,
+                 notifier: SystemdNotifier | None = None, health: HealthService | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.settings = config.daemon
+        self.client = client
+        self.keys = JobKeys(config.daemon.job)
+        self.election = Election(client, self.keys.leader)
+        self.metrics = metrics or Metrics()
+        self.notifier = notifier or SystemdNotifier({})
+        self.health = health
+        self._clock, self._wall = clock, wall
+        self._term: _Term | None = None
+        self.round_number = 0  # newest round this daemon knows of (for log context)
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig) -> Daemon:
+        """The real collaborators. Raises ``OSError`` when a port cannot be bound."""
+        s = config.daemon
+        metrics = Metrics()
+        if s.metrics_port:
+            metrics.serve(s.metrics_host, s.metrics_port)
+        health = HealthService(s.health_host, s.health_port) if s.health_port else None
+        return cls(config, EtcdClient(config.etcd), metrics=metrics, notifier=SystemdNotifier(), health=health)
+
+    def close(self) -> None:
+        """Stop serving health checks and close the etcd client (after :meth:`run` returned)."""
+        if self.health is not None:
+            self.health.stop()
+        self.notifier.close()
+        self.client.close()
+
+    @property
+    def leading(self) -> bool:
+        return self._term is not None
+
+    # --- election -------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Campaign and lead until ``stop`` is set; then give up the lease so a standby takes over
+        at once. Never raises for etcd trouble: it waits and tries again."""
+        ready = False
+        while not stop.is_set():
+            try:
+                lease = self._timed("lease_grant", lambda: Lease(self.client, self.settings.lease_ttl))
+            except CoordError as exc:
+                log.warning("daemon %s: cannot get a lease from etcd (%s); retrying", self.settings.daemon_id, exc)
+                self.notifier.watchdog()
+                stop.wait(1.0)
+                continue
+            if not ready:
+                ready = True
+                self.notifier.ready("standby")
+            try:
+                self._campaign(lease, stop)
+            finally:
+                lease.revoke()  # deletes the leader key, if ours: a standby takes over now
+        self.notifier.stopping()
+
+    def _campaign(self, lease: Lease, stop: threading.Event) -> None:
+        host = socket.getfqdn()
+        address = f"{host}:{self.settings.metrics_port}" if self.settings.metrics_port else host
+        value = codec.encode_leader(self.settings.daemon_id, address, self._wall())  # fixed for this lease
+        slice_s = max(1.0, self.settings.tick_interval)
+        while not stop.is_set() and not lease.lost.is_set():
+            self.notifier.watchdog()
+            try:
+                leadership = self.election.campaign(lease, value, timeout=slice_s)
+            except EtcdTimeout:
+                continue  # someone else leads: keep waiting
+            except LeaseLost:
+                return
+            except CoordError as exc:
+                log.warning("daemon %s: campaign failed (%s); retrying", self.settings.daemon_id, exc)
+                stop.wait(0.5)
+                continue
+            try:
+                self._lead(leadership, lease, stop)
+            except _StepDown:
+                stop.wait(0.2)
+
+    # --- leading --------------------------------------------------------------------------------
+
+    def _lead(self, leadership: Leadership, lease: Lease, stop: threading.Event) -> None:
+        s = self.settings
+        log.info("daemon %s: leading job %s (term %d)", s.daemon_id, s.job, leadership.term,
+                 extra={"round": self.round_number})
+        self.metrics.terms.inc()
+        self.metrics.leader.set(1)
+        if self.health is not None:
+            self.health.set_leader(True)
+        self.notifier.status(f"leader of job {s.job}")
+        try:
+            term = self._take_over(leadership, lease)
+            self._term = term
+            with Watch(self.client, self.keys.prefix, term.watch_from) as watch:
+                while not stop.is_set():
+                    self._check_lease(term)
+                    batch, arrived = self._collect(watch)
+                    now = self._clock()
+                    if batch:
+                        events = term.feed.convert(batch)
+                        self._note_faults(term, events, arrived)
+                        self.metrics.events.inc(len(events))
+                        decisions = term.machine.handle_batch(events, now)
+                    else:
+                        decisions = term.machine.handle(Tick(), now)
+                    self._apply(term, decisions, now)
+                    self._housekeeping(term, now)
+        except (NotLeader, LeaseLost, RoundConflict) as exc:
+            log.warning("daemon %s: stopped deciding: %s", s.daemon_id, exc, extra={"round": self.round_number})
+            raise _StepDown from exc
+        except CoordError as exc:
+            log.error("daemon %s: etcd failed while leading (%s); re-reading the job", s.daemon_id, exc,
+                      extra={"round": self.round_number})
+            raise _StepDown from exc
+        finally:
+            self._term = None
+            self.metrics.leader.set(0)
+            if self.health is not None:
+                self.health.set_leader(False)
+            self.notifier.status("standby")
+
+    def _take_over(self, leadership: Leadership, lease: Lease) -> _Term:
+        """Steps 2 of the protocol: one read of the job, a resumed machine, its first decisions."""
+        kvs, revision = self._timed("get_prefix", lambda: self.client.get_prefix(self.keys.prefix))
+        feed = Feed(self.keys, on_ignored=lambda kind, why: self.metrics.ignored.labels(kind).inc())
+        snap = feed.snapshot(kvs, revision)
+        now, wall = self._clock(), self._wall()
+        number = snap.round.number if snap.round else 0
+        current = snap.round.current if snap.round else None
+        machine = RoundMachine.resume(self.config.policy, current, number, snap.committed_step, now)
+        for f in snap.faults:
+            machine.restore_node(f.node_id, [wall - t for t in f.fault_times], f.quarantined)
+        term = _Term(leadership, lease, machine, feed, snap.round_revision, snap.round_value, revision + 1)
+        self.round_number = number
+        self.metrics.round.set(number)
+        self._set_world(current)
+        log.info("daemon %s: took over at revision %d: %d node keys, round %d (%s), newest checkpoint %s",
+                 self.settings.daemon_id, revision, len(feed.registered), number,
+                 "open" if current else "none open", snap.committed_step, extra={"round": number})
+        self._apply(term, machine.handle_batch(snap.events, now), now)
+        self._persist_faults(term, now)
+        return term
+
+    def _collect(self, watch: Watch) -> tuple[list[WatchEvent], float]:
+        """The next watch response, and whatever follows within ``batch_window``."""
+        first = watch.get(timeout=self.settings.tick_interval)
+        arrived = self._clock()
+        if not first:
+            return [], arrived
+        batch = list(first)
+        deadline = arrived + self.settings.batch_window
+        while len(batch) < _MAX_BATCH:
+            left = deadline - self._clock()
+            more = watch.get(timeout=left) if left > 0 else watch.get(timeout=0)
+            if not more:
+                break
+            batch += more
+        return batch, arrived
+
+    def _check_lease(self, term: _Term) -> None:
+        if term.lease.lost.is_set():
+            raise LeaseLost(f"leader lease lost: {term.lease.lost_reason}")
+
+    def _note_faults(self, term: _Term, events: list[Event], arrived: float) -> None:
+        if term.fault_seen_at is not None or not term.feed.members:
+            return
+        for ev in events:
+            if isinstance(ev, (NodeLeaseLost, Drain)) or (
+                    isinstance(ev, HealthVerdict) and ev.health is Health.FATAL):
+                if ev.node_id in term.feed.members:
+                    term.fault_seen_at = arrived
+                    return
+
+    # --- writing decisions ----------------------------------------------------------------------
+
+    def _apply(self, term: _Term, decisions: list[Decision], now: float) -> None:
+        for d in decisions:
+            if isinstance(d, OpenRound):
+                self._write_round(term, codec.encode_round(d, term.feed.agent_addresses,
+                                                           self.settings.daemon_id, self._wall()), d.number)
+                term.feed.members = frozenset(m.node_id for m in d.members)
+                term.feed.round_number = d.number
+                self._set_world(d)
+                self._decided(term, "open", d.number)
+                log.info("round %d: opened with %d nodes (%d workers), restore step %s: %s", d.number,
+                         d.world_size, sum(m.devices for m in d.members), d.restore_step, d.reason,
+                         extra={"round": d.number, "node": d.master_addr})
+                term.pending_status = ""
+            elif isinstance(d, CloseRound):
+                value = codec.encode_closed(term.round_value, d, self.settings.daemon_id, self._wall())
+                self._write_round(term, value, d.number)
+                term.feed.members = frozenset()
+                self._set_world(None)
+                self._decided(term, "close", d.number)
+                log.warning("round %d: closed: %s", d.number, d.reason, extra={"round": d.number})
+            elif isinstance(d, Status):
+                self.metrics.decisions.labels("status").inc()
+                term.pending_status = d.reason
+        self._persist_faults(term, now)
+        self._flush_status(term, now)
+
+    def _write_round(self, term: _Term, value: bytes, number: int) -> None:
+        key = self.keys.round
+        guard = mod_revision_is(key, term.round_revision) if term.round_revision else absent(key)
+        res = self._guarded(term, [guard], [Put(key, value)], [Get(key)], "round_txn")
+        if res.succeeded:
+            term.round_revision = res.revision
+        else:
+            stored = res.gets[1][0] if len(res.gets) > 1 and res.gets[1] else None
+            if res.attempts > 1 and stored is not None and stored.value == value:
+                term.round_revision = stored.mod_revision  # our first try landed; its answer was lost
+            else:
+                raise RoundConflict(f"round key changed under this leader while writing round {number}")
+        term.round_value = value
+        self.round_number = number
+        self.metrics.round.set(number)
+
+    def _guarded(self, term: _Term, compares: list, success: list[Op], failure: list[Op], op: str) -> TxnResult:
+        self._check_lease(term)
+        return self._timed(op, lambda: self.election.guarded_txn(term.leadership, compares, success, failure))
+
+    def _decided(self, term: _Term, kind: str, number: int) -> None:
+        self.metrics.decisions.labels(kind).inc()
+        if term.fault_seen_at is not None:
+            self.metrics.fault_to_round.observe(self._clock() - term.fault_seen_at)
+            term.fault_seen_at = None
+
+    def _flush_status(self, term: _Term, now: float, force: bool = False) -> None:
+        if term.pending_status is None:
+            return
+        if not force and now - term.status_written_at < self.settings.status_interval:
+            return
+        reason = term.pending_status
+        value = codec.encode_status(reason, self.round_number, self.settings.daemon_id, self._wall())
+        self._guarded(term, [], [Put(self.keys.status, value)], [], "status_txn")
+        term.pending_status, term.status_written_at = None, now
+        if reason:
+            log.info("status: %s", reason, extra={"round": self.round_number})
+        self.notifier.status(f"leader: {reason}" if reason else f"leader: round {self.round_number} open")
+
+    def _persist_faults(self, term: _Term, now: float) -> None:
+        """Write the fault history of nodes whose faults or quarantine changed (a few per fault)."""
+        st = term.machine.state
+        if not st.fault_changes:
+            return
+        changed, st.fault_changes = sorted(st.fault_changes), set()
+        wall = self._wall()
+        ops: list[Op] = []
+        for node_id in changed:
+            rec = st.nodes.get(node_id)
+            if rec is None:
+                continue
+            quarantined = rec.state is NodeState.QUARANTINED
+            key = self.keys.faults(node_id)
+            if quarantined:
+                term.feed.quarantined.add(node_id)
+            else:
+                term.feed.quarantined.discard(node_id)
+            if not rec.faults and not quarantined:
+                ops.append(Delete(key))
+                continue
+            times = [wall - (now - t) for t in rec.faults]
+            ops.append(Put(key, codec.encode_faults(node_id, times, quarantined, "", self.settings.daemon_id)))
+            if quarantined:
+                log.warning("node %s: quarantined after %d faults", node_id, len(rec.faults),
+                            extra={"round": self.round_number, "node": node_id})
+        for i in range(0, len(ops), _TXN_OPS):
+            self._guarded(term, [], ops[i:i + _TXN_OPS], [], "faults_txn")
+
+    # --- bookkeeping ----------------------------------------------------------------------------
+
+    def _housekeeping(self, term: _Term, now: float) -> None:
+        self.notifier.watchdog()
+        self._flush_status(term, now)
+        if now - term.scanned_at >= self.settings.tick_interval:
+            term.scanned_at = now
+            counts = Tally(rec.state.value for rec in term.machine.state.nodes.values())
+            for state in NodeState:
+                self.metrics.nodes.labels(state.value).set(counts.get(state.value, 0))
+
+    def _set_world(self, rnd: OpenRound | None) -> None:
+        self.metrics.world_nodes.set(len(rnd.members) if rnd else 0)
+        self.metrics.world_workers.set(sum(m.devices for m in rnd.members) if rnd else 0)
+
+    def _timed(self, op: str, fn: Callable[[], T]) -> T:
+        with self.metrics.etcd_latency.labels(op).time():
+            return fn()

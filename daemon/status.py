@@ -1,0 +1,167 @@
+"""What operators see and do without the daemon's help: the job's state read from etcd, and holds.
+
+``read_status`` reads the whole job prefix once and derives each node's place (in the world,
+waiting, lost, unhealthy) and holds (cordoned, drained, quarantined, draining) from the records
+the agents and the daemon leader wrote. ``set_hold`` writes an operator hold that the leader
+(whichever daemon it is, now or later) applies; it needs no daemon to be running.
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.keys import JobKeys, Kind
+from stalwart.daemon import codec
+from stalwart.daemon.codec import BadRecord, Hold
+
+__all__ = ["JobStatus", "NodeRow", "format_table", "read_status", "set_hold"]
+
+
+@dataclass
+class NodeRow:
+    node: str
+    place: str = "lost"  # in world, waiting, lost, unhealthy
+    rank: int | None = None
+    holds: list[str] = field(default_factory=list)  # cordoned, drained, quarantined, draining
+    health: str = "unknown"
+    last_step: int | None = None
+    step_round: int | None = None
+    faults: int = 0
+    address: str = ""
+
+
+@dataclass
+class JobStatus:
+    job: str
+    leader: dict[str, object] | None = None
+    round: dict[str, object] | None = None
+    status: dict[str, object] | None = None
+    checkpoint: dict[str, object] | None = None
+    nodes: list[NodeRow] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _row(rows: dict[str, NodeRow], node: str) -> NodeRow:
+    if node not in rows:
+        rows[node] = NodeRow(node)
+    return rows[node]
+
+
+def read_status(client: EtcdClient, job: str) -> JobStatus:
+    """The job as etcd holds it now (one prefix read). Unreadable values are listed, not raised."""
+    keys = JobKeys(job)
+    kvs, _ = client.get_prefix(keys.prefix)
+    out = JobStatus(job)
+    rows: dict[str, NodeRow] = {}
+    newest_ckpt: tuple[int, bytes] | None = None
+    for kv in kvs:
+        parsed = keys.parse(kv.key)
+        if parsed is None:
+            continue
+        name = parsed.name or ""
+        try:
+            if parsed.kind is Kind.LEADER:
+                out.leader = codec.leader_summary(kv.value)
+            elif parsed.kind is Kind.ROUND:
+                out.round = codec.round_summary(kv.value)
+            elif parsed.kind is Kind.STATUS:
+                out.status = codec.status_summary(kv.value)
+            elif parsed.kind is Kind.CKPT:
+                if newest_ckpt is None or parsed.step > newest_ckpt[0]:
+                    newest_ckpt = (parsed.step, kv.value)
+            elif parsed.kind is Kind.NODE:
+                info = codec.decode_node(name, kv.value)
+                row = _row(rows, name)
+                row.place, row.address = "waiting", info.agent_address
+                if info.draining:
+                    row.holds.append("draining")
+            elif parsed.kind is Kind.HEALTH:
+                _row(rows, name).health = codec.health_name(kv.value, name)
+            elif parsed.kind is Kind.PROGRESS:
+                round_number, step, _ = codec.decode_progress(name, kv.value)
+                row = _row(rows, name)
+                row.last_step, row.step_round = step, round_number
+            elif parsed.kind is Kind.CORDON:
+                hold = codec.decode_cordon(name, kv.value)
+                if hold is not Hold.NONE:
+                    _row(rows, name).holds.append("cordoned" if hold is Hold.CORDON else "drained")
+            elif parsed.kind is Kind.FAULTS:
+                faults = codec.decode_faults(name, kv.value)
+                row = _row(rows, name)
+                row.faults = len(faults.fault_times)
+                if faults.quarantined:
+                    row.holds.append("quarantined")
+        except BadRecord as exc:
+            out.unreadable.append(f"{kv.key}: {exc}")
+    if newest_ckpt is not None:
+        try:
+            out.checkpoint = codec.ckpt_summary(*newest_ckpt)
+        except BadRecord as exc:
+            out.unreadable.append(f"checkpoint {newest_ckpt[0]}: {exc}")
+    members = out.round["members"] if out.round and not out.round["closed"] else []
+    for rank, node in enumerate(members):  # type: ignore[arg-type]
+        row = _row(rows, str(node))
+        row.rank = rank
+        if row.place == "waiting":
+            row.place = "in world"
+    for row in rows.values():
+        if row.place == "waiting" and row.health == "fatal":
+            row.place = "unhealthy"
+    out.nodes = sorted(rows.values(), key=lambda r: (r.rank is None, r.rank or 0, r.node))
+    return out
+
+
+def format_table(st: JobStatus) -> str:
+    lines = [f"job {st.job}"]
+    leader = st.leader
+    lines.append(f"leader: {leader['daemon_id']} ({leader['address']})" if leader else "leader: none")
+    rnd = st.round
+    if rnd is None:
+        lines.append("round: none yet")
+    else:
+        state = "closed" if rnd["closed"] else "open"
+        lines.append(f"round {rnd['number']} ({state}): {rnd['nodes']} nodes, {rnd['workers']} workers, "
+                     f"master {rnd['master'] or '-'}, restore step "
+                     f"{rnd['restore_step'] if rnd['restore_step'] is not None else 'none'}")
+        if rnd["reason"]:
+            lines.append(f"  why: {rnd['reason']}")
+    if st.status and st.status["reason"]:
+        lines.append(f"daemon: {st.status['reason']}")
+    ck = st.checkpoint
+    lines.append(f"newest checkpoint: step {ck['step']} at {ck['path'] or '-'}" if ck else "newest checkpoint: none")
+    counts: dict[str, int] = {}
+    for row in st.nodes:
+        counts[row.place] = counts.get(row.place, 0) + 1
+    lines.append("nodes: " + (", ".join(f"{n} {place}" for place, n in sorted(counts.items())) or "none"))
+    if st.nodes:
+        width = max(4, *(len(r.node) for r in st.nodes))
+        lines.append(f"{'node':<{width}}  {'rank':>4}  {'state':<10} {'holds':<22} {'health':<9} "
+                     f"{'last step':>10}  {'faults':>6}  address")
+        for r in st.nodes:
+            step = "-" if r.last_step is None else f"{r.last_step}" + (
+                f" (r{r.step_round})" if r.step_round and rnd and r.step_round != rnd["number"] else "")
+            lines.append(f"{r.node:<{width}}  {'-' if r.rank is None else r.rank:>4}  {r.place:<10} "
+                         f"{','.join(r.holds) or '-':<22} {r.health:<9} {step:>10}  {r.faults:>6}  "
+                         f"{r.address or '-'}")
+    for problem in st.unreadable:
+        lines.append(f"unreadable: {problem}")
+    return "\n".join(lines)
+
+
+def set_hold(client: EtcdClient, job: str, node: str, hold: Hold, reason: str = "") -> None:
+    """Write an operator hold (or, with ``Hold.NONE``, lift any hold and a quarantine).
+
+    The record stays in etcd without a lease, so the hold outlives the node's registration and
+    the daemon leader. Raises ``EtcdConfigError`` for a bad node name, ``CoordError`` when etcd
+    cannot be written.
+    """
+    keys = JobKeys(job)
+    by = f"{getpass.getuser()}@{socket.gethostname()}"
+    client.put(keys.cordon(node), codec.encode_cordon(node, hold, reason, by, time.time()))
