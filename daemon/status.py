@@ -105,9 +105,9 @@ def read_status(client: EtcdClient, job: str) -> JobStatus:
             out.checkpoint = codec.ckpt_summary(*newest_ckpt)
         except BadRecord as exc:
             out.unreadable.append(f"checkpoint {newest_ckpt[0]}: {exc}")
-    members = out.round["members"] if out.round and not out.round["closed"] else []
-    for rank, node in enumerate(members):  # type: ignore[arg-type]
-        row = _row(rows, str(node))
+    members: list[str] = list(out.round["members"]) if out.round and not out.round["closed"] else []  # type: ignore[call-overload]
+    for rank, node in enumerate(members):
+        row = _row(rows, node)
         row.rank = rank
         if row.place == "waiting":
             row.place = "in world"
