@@ -1,0 +1,186 @@
+"""The survival report of a chaos run: JSON for scripts, Markdown for people, a PNG timeline.
+
+The timeline shows the training step and the world size over time, each injected fault (red),
+its detection (orange) and the first step after it (green), so a reader sees at a glance how
+long each fault cost.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completed training step, as rank 0 saw it."""
+
+    t: float  # seconds since the run started
+    step: int
+    world: int
+    round: int = 0
+    loss: float | None = None
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    target: str
+    injected_at: float
+    detected_at: float | None = None
+    resumed_at: float | None = None
+    detail: str = ""
+
+    @property
+    def detection_s(self) -> float | None:
+        return None if self.detected_at is None else self.detected_at - self.injected_at
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.resumed_at is None else self.resumed_at - self.injected_at
+
+
+@dataclass(frozen=True)
+class RoundChange:
+    t: float
+    number: int
+    world_size: int
+    reason: str
+
+
+@dataclass
+class RunReport:
+    scenario: str
+    wall_s: float
+    target_steps: int
+    samples: list[Sample] = field(default_factory=list)
+    faults: list[FaultRecord] = field(default_factory=list)
+    rounds: list[RoundChange] = field(default_factory=list)
+    final_committed_step: int = -1
+    lost_committed_steps: int = 0
+    corrupt_loads: int = 0
+    checks: dict[str, bool] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(self.checks.values())
+
+    @property
+    def goodput(self) -> float:
+        return goodput(self.samples, self.final_committed_step, self.wall_s)
+
+    def to_json(self) -> dict[str, object]:
+        data = asdict(self)
+        data["passed"] = self.passed
+        data["goodput"] = round(self.goodput, 4)
+        for fault, raw in zip(self.faults, data["faults"], strict=True):
+            raw["detection_s"] = fault.detection_s
+            raw["recovery_s"] = fault.recovery_s
+        return data
+
+
+def goodput(samples: list[Sample], committed_step: int, wall_s: float) -> float:
+    """Time spent on steps that stayed committed, over wall time.
+
+    A step counts once, by its last execution (earlier executions were rolled back and redone),
+    and only if it is at or below the last committed step. Its time is the gap to the previous
+    step of the same round; the first step of a round gets the run's median step time, since
+    the gap before it is recovery, not training.
+    """
+    if wall_s <= 0 or not samples:
+        return 0.0
+    gaps: dict[int, float] = {}
+    durations = []
+    ordered = sorted(samples, key=lambda s: s.t)
+    for prev, cur in zip(ordered, ordered[1:], strict=False):
+        if cur.round == prev.round and cur.step == prev.step + 1:
+            durations.append(cur.t - prev.t)
+    typical = statistics.median(durations) if durations else 0.0
+    last_of_step: dict[int, int] = {}
+    for i, s in enumerate(ordered):
+        last_of_step[s.step] = i
+    for step, i in last_of_step.items():
+        if step > committed_step:
+            continue
+        cur = ordered[i]
+        prev = ordered[i - 1] if i > 0 else None
+        same_round = prev is not None and prev.round == cur.round and prev.step == cur.step - 1
+        gaps[step] = (cur.t - prev.t) if same_round and prev is not None else typical
+    return min(1.0, sum(gaps.values()) / wall_s)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def markdown(report: RunReport, picture: str | None) -> str:
+    lines = [f"# Chaos run: {report.scenario}", "",
+             f"**Result: {'PASSED' if report.passed else 'FAILED'}** — wall time {report.wall_s:.1f} s, "
+             f"last committed step {report.final_committed_step} of {report.target_steps}, "
+             f"goodput {report.goodput:.1%}, lost committed steps {report.lost_committed_steps}, "
+             f"corrupt loads {report.corrupt_loads}.", ""]
+    if picture:
+        lines += [f"![timeline]({picture})", ""]
+    lines += ["| fault | target | injected at s | detected after s | resumed after s | detail |",
+              "|---|---|---|---|---|---|"]
+    for f in report.faults:
+        lines.append(f"| {f.kind} | {f.target} | {f.injected_at:.2f} | {_fmt(f.detection_s)} | "
+                     f"{_fmt(f.recovery_s)} | {f.detail} |")
+    lines += ["", "| round | at s | world size | reason |", "|---|---|---|---|"]
+    lines += [f"| {r.number} | {r.t:.2f} | {r.world_size} | {r.reason} |" for r in report.rounds]
+    lines += ["", "| check | result |", "|---|---|"]
+    lines += [f"| {name} | {'ok' if ok else 'FAILED'} |" for name, ok in report.checks.items()]
+    if report.notes:
+        lines += ["", *[f"- {n}" for n in report.notes]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: RunReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render to a file
+    import matplotlib.pyplot as plt
+
+    fig, (ax_step, ax_world) = plt.subplots(2, 1, sharex=True, figsize=(11, 6),
+                                            gridspec_kw={"height_ratios": [3, 1]})
+    ts = [s.t for s in report.samples]
+    ax_step.plot(ts, [s.step for s in report.samples], ".", markersize=2, color="tab:blue", label="step (rank 0)")
+    ax_step.set_ylabel("training step")
+    ax_step.yaxis.get_major_locator().set_params(integer=True)
+    if report.rounds:
+        xs = [r.t for r in report.rounds] + [report.wall_s]
+        ys = [r.world_size for r in report.rounds] + [report.rounds[-1].world_size]
+        ax_world.step(xs, ys, where="post", color="tab:purple")
+    ax_world.set_ylabel("world size")
+    ax_world.set_xlabel("seconds since start")
+    ax_world.yaxis.get_major_locator().set_params(integer=True)
+    for f in report.faults:
+        for ax in (ax_step, ax_world):
+            ax.axvline(f.injected_at, color="tab:red", alpha=0.7, linewidth=1)
+            if f.detected_at is not None:
+                ax.axvline(f.detected_at, color="tab:orange", alpha=0.7, linewidth=1, linestyle="--")
+            if f.resumed_at is not None:
+                ax.axvline(f.resumed_at, color="tab:green", alpha=0.7, linewidth=1, linestyle=":")
+        ax_step.annotate(f.kind, (f.injected_at, 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                         fontsize=7, va="top", ha="right", color="tab:red")
+    handles = [plt.Line2D([], [], color=c, linestyle=ls, label=lab) for c, ls, lab in (
+        ("tab:red", "-", "fault injected"), ("tab:orange", "--", "detected"), ("tab:green", ":", "first resumed step"))]
+    ax_step.legend(handles=[*ax_step.get_legend_handles_labels()[0], *handles], loc="lower right", fontsize=8)
+    ax_step.set_title(f"{report.scenario}: {'passed' if report.passed else 'FAILED'}, "
+                      f"goodput {report.goodput:.0%}, {len(report.faults)} faults")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(report: RunReport, out_dir: Path) -> dict[str, Path]:
+    """Write ``report.json``, ``report.md`` and ``timeline.png`` into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "report.json", "markdown": out_dir / "report.md", "picture": out_dir / "timeline.png"}
+    plot(report, paths["picture"])
+    paths["json"].write_text(json.dumps(report.to_json(), indent=2))
+    paths["markdown"].write_text(markdown(report, paths["picture"].name))
+    return paths
