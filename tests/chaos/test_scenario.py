@@ -1,0 +1,69 @@
+"""Scenario files: parsing, validation that names the setting, seeded random timelines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stalwart.chaos.scenario import FAULT_KINDS, ScenarioError, from_mapping, load
+
+GOOD = """
+name = "t"
+seed = 3
+[cluster]
+nodes = 3
+[job]
+steps = 50
+[[fault]]
+kind = "kill-worker"
+at_step = 10
+node = "node1"
+[[fault]]
+kind = "gpu-fault"
+at_time = 4.5
+code = 79
+[random]
+rate_per_minute = 6
+kinds = ["kill-worker", "hang-worker"]
+duration_s = 120
+"""
+
+
+def test_load_and_replayable_random_faults(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text(GOOD)
+    s = load(path)
+    assert [f.kind for f in s.faults] == ["kill-worker", "gpu-fault"]
+    assert s.faults[0].node == "node1" and s.faults[1].at_time == 4.5
+    first, second = s.random_faults(), load(path).random_faults()
+    assert first == second and len(first) > 3
+    assert all(f.kind in ("kill-worker", "hang-worker") and f.node in s.node_names() for f in first)
+    assert all(0 < f.at_time < 120 for f in first)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("data", [
+    {"clutser": {}},
+    {"cluster": {"nodez": 3}},
+    {"fault": [{"kind": "meteor", "at_step": 1}]},
+    {"fault": [{"kind": "kill-worker"}]},
+    {"fault": [{"kind": "kill-worker", "at_step": 1, "at_time": 2.0}]},
+    {"fault": [{"kind": "kill-worker", "at_step": 1, "node": "node9"}]},
+    {"job": {"zero_stage": 4}},
+    {"cluster": {"nodes": 2, "min_nodes": 3}},
+    {"random": {"kinds": ["nope"]}},
+])
+def test_bad_scenarios_name_the_setting(data: dict[str, object]) -> None:
+    with pytest.raises(ScenarioError):
+        from_mapping(data)
+
+
+def test_every_fault_kind_is_accepted() -> None:
+    s = from_mapping({"fault": [{"kind": k, "at_step": i} for i, k in enumerate(FAULT_KINDS)]})
+    assert [f.kind for f in s.faults] == list(FAULT_KINDS)
+
+
+def test_broken_toml(tmp_path: Path) -> None:
+    (tmp_path / "b.toml").write_text("name = [")
+    with pytest.raises(ScenarioError):
+        load(tmp_path / "b.toml")
