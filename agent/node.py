@@ -184,12 +184,15 @@ class NodeAgent:
             return
         with self._lock:
             current = self._state.round
-            if current is not None and record.number <= current.number:
-                return
+            if current is not None and (record.number < current.number or (
+                    record.number == current.number and (current.closed or not record.closed))):
+                return  # old news; the one change a round number can see is being closed
         mine = [m for m in record.members if m.node_id == self.config.node_id]
-        self._stop_workers(f"round {record.number} opened")
+        self._stop_workers(f"round {record.number} {'closed: ' + record.reason if record.closed else 'opened'}")
         with self._lock:
             self._state.round = record
+        if record.closed:
+            return
         if not mine or self._state.draining:
             log.info("agent %s: not a member of round %d", self.config.node_id, record.number,
                      extra={"node": self.config.node_id, "round": record.number})

@@ -258,3 +258,17 @@ def test_committed_checkpoint_of_rank_zero_is_recorded(etcd_server: LocalEtcd, e
     assert (record.step, record.path, record.round, record.world_size) == (120, "/ckpt/step-120", 3, 2)
     kvs, _ = etcd_client.get_prefix(keys.ckpt_prefix)
     assert len(kvs) == 1
+
+
+def test_closed_round_stops_the_workers(etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path,
+                                        start_agent) -> None:
+    job = f"closed-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job))
+    _open_round(etcd_client, keys, 4, [("n0", agent.address)])
+    _wait(lambda: len(_running_steps(agent)) == 2, 30, "workers running")
+    record = records_pb2.RoundRecord.FromString(etcd_client.get(keys.round).value)  # type: ignore[union-attr]
+    record.closed, record.reason = True, "too few nodes"
+    etcd_client.put(keys.round, record.SerializeToString())
+    _wait(lambda: _running_steps(agent) == [], 10, "workers stopped")
+    assert agent.status().round == 4
