@@ -1,0 +1,148 @@
+"""A tiny GPT-style model on synthetic token data, trained with stalwart's DeepSpeed trainer.
+
+Runs under plain torchrun (or under the stalwart agent, which sets the same environment)::
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 examples/train_gpt.py \\
+        --ckpt-dir /tmp/gpt-ckpt --steps 50 --steps-log /tmp/gpt-steps.jsonl
+
+Kill it and start it again, at the same or another world size that divides the global batch:
+it resumes from the newest good checkpoint and continues with the very samples that were next.
+With ``--steps-log``, rank 0 appends one JSON line per step (step, loss, world size, the sample
+indices of the step) plus restore and commit events (see ``stalwart.trainer.record``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stalwart.trainer import Trainer, TrainerConfig
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2, context: int = 16,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x)).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def synthetic_corpus(length: int, vocab: int, seed: int = 1234) -> torch.Tensor:
+    """Tokens with learnable structure: mostly ``next = (3 * prev + 1) % vocab``, sometimes random."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randint(0, vocab, (length,), generator=gen)
+    keep = torch.rand(length, generator=gen) < 0.8
+    out = torch.empty(length, dtype=torch.long)
+    out[0] = noise[0]
+    for i in range(1, length):
+        out[i] = (3 * out[i - 1] + 1) % vocab if keep[i] else noise[i]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt-dir", required=True)
+    parser.add_argument("--steps", type=int, default=50, help="total global steps")
+    parser.add_argument("--global-batch", type=int, default=12)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--dataset-len", type=int, default=240, help="number of samples (sequences)")
+    parser.add_argument("--context", type=int, default=16)
+    parser.add_argument("--zero-stage", type=int, default=2, choices=(1, 2, 3))
+    parser.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling")
+    parser.add_argument("--offload", action="store_true", help="offload_optimizer to cpu (DeepSpeedCPUAdam)")
+    parser.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps")
+    parser.add_argument("--save-every-seconds", type=float, default=None)
+    parser.add_argument("--steps-log", default=None, help="rank 0 appends the step record here")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (to watch it)")
+    parser.add_argument("--crash-at-step", type=int, default=None, help="SIGKILL one rank after this step")
+    parser.add_argument("--crash-rank", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dropout", type=float, default=0.1,
+                        help="0 makes the loss independent of the world size (dropout masks follow the ranks)")
+    args = parser.parse_args()
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"),
+                        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(name)s %(levelname)s %(message)s")
+
+    torch.manual_seed(args.seed)
+    vocab = 64
+    model = TinyGPT(vocab=vocab, context=args.context, dropout=args.dropout)
+    corpus = synthetic_corpus(args.dataset_len + args.context + 1, vocab)
+    ds_config: dict = {
+        "zero_optimization": {"stage": args.zero_stage},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+                                                      "warmup_num_steps": 10}},
+    }
+    if args.fp16:
+        ds_config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}
+    optimizer = None
+    if args.offload:
+        ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        ds_config["optimizer"] = {"type": "Adam", "params": {"lr": 3e-3, "weight_decay": 0.01}}
+    else:
+        # A torch optimizer needs no compiled DeepSpeed op (FusedAdam would be built on first use).
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    config = TrainerConfig(
+        checkpoint_dir=args.ckpt_dir, global_batch=args.global_batch, micro_batch=args.micro_batch,
+        dataset_len=args.dataset_len, total_steps=args.steps, seed=args.seed, save_every_steps=args.save_every,
+        save_every_seconds=args.save_every_seconds, record_path=args.steps_log,
+    )  # fmt: skip
+    trainer = Trainer.initialize(model, ds_config, config, optimizer=optimizer)
+    engine = trainer.engine
+    for batch in trainer.batches():
+        losses = []
+        for indices in batch.micro_batches:
+            starts = torch.tensor(indices)
+            window = starts[:, None] + torch.arange(args.context + 1)
+            seq = corpus[window]
+            loss = engine(seq[:, :-1], seq[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        trainer.step_done(sum(losses) / len(losses))
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if args.crash_at_step == trainer.step and trainer.rank == args.crash_rank:
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker dies: no cleanup, no final checkpoint
+    trainer.finish()
+
+
+if __name__ == "__main__":
+    main()
