@@ -152,6 +152,7 @@ class RoundWatch:
 
         self.seen: list[tuple[float, int, int, int]] = []  # (time, number, members, bytes)
         self._cond = threading.Condition()
+        self._stop = threading.Event()
         self._watch = Watch(client, JobKeys(job).round, 0)  # type: ignore[arg-type]
         self._watch.wait_ready(10)
         threading.Thread(target=self._run, daemon=True).start()
@@ -159,12 +160,13 @@ class RoundWatch:
     def _run(self) -> None:
         from stalwart.proto import records_pb2
 
-        for ev in self._watch:
-            if ev.value:
-                rec = records_pb2.RoundRecord.FromString(ev.value)
-                with self._cond:
-                    self.seen.append((time.monotonic(), rec.number, len(rec.members), len(ev.value)))
-                    self._cond.notify_all()
+        while not self._stop.is_set():  # not ``for ev in watch``: it never ends once closed
+            for ev in self._watch.get(timeout=0.2):
+                if ev.value:
+                    rec = records_pb2.RoundRecord.FromString(ev.value)
+                    with self._cond:
+                        self.seen.append((time.monotonic(), rec.number, len(rec.members), len(ev.value)))
+                        self._cond.notify_all()
 
     def wait_members(self, count: int, timeout: float) -> tuple[float, int, int, int]:
         deadline = time.monotonic() + timeout
@@ -179,6 +181,7 @@ class RoundWatch:
                 self._cond.wait(left)
 
     def close(self) -> None:
+        self._stop.set()
         self._watch.close()
 
 

@@ -13,7 +13,7 @@ Protocol, in order:
    comparing the round key's mod revision with the one this leader last read or wrote, so two
    leaders can never write two records for one round number; a ``CloseRound`` marks the same
    record closed; a ``Status`` goes to the status key, rate-limited. Fault histories that
-   changed are written after each batch.
+   changed are written before the decisions of their batch.
 5. On any doubt (lease lost, ``NotLeader``, a round write that lost its compare, etcd gone,
    compacted watch history) stop deciding at once, drop the machine and go back to 1; the
    next term re-reads everything, so no decision is made twice and no round number is skipped.
@@ -245,7 +245,6 @@ class Daemon:
                  self.settings.daemon_id, revision, len(feed.registered), number,
                  "open" if current else "none open", snap.committed_step, extra={"round": number})
         self._apply(term, machine.handle_batch(snap.events, now), now)
-        self._persist_faults(term, now)
         return term
 
     def _collect(self, watch: Watch) -> tuple[list[WatchEvent], float]:
@@ -281,6 +280,9 @@ class Daemon:
     # --- writing decisions ----------------------------------------------------------------------
 
     def _apply(self, term: _Term, decisions: list[Decision], now: float) -> None:
+        # Fault histories first: a leader killed between the two writes leaves a successor that
+        # knows every quarantine the written round was decided with.
+        self._persist_faults(term, now)
         for d in decisions:
             if isinstance(d, OpenRound):
                 self._write_round(term, codec.encode_round(d, term.feed.agent_addresses,
@@ -303,7 +305,6 @@ class Daemon:
             elif isinstance(d, Status):
                 self.metrics.decisions.labels("status").inc()
                 term.pending_status = d.reason
-        self._persist_faults(term, now)
         self._flush_status(term, now)
 
     def _write_round(self, term: _Term, value: bytes, number: int) -> None:

@@ -84,13 +84,17 @@ class RoundLog:
         self.records: list[records_pb2.RoundRecord] = []
         self.times: list[float] = []
         self._cond = threading.Condition()
+        self._stop = threading.Event()
         self._watch = Watch(client, JobKeys(job).round, 1)
         self._watch.wait_ready(10)
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
-        for ev in self._watch:
-            if ev.type is EventType.PUT:
+        # Not ``for ev in watch``: that iterator never ends once the watch is closed.
+        while not self._stop.is_set():
+            for ev in self._watch.get(timeout=0.2):
+                if ev.type is not EventType.PUT:
+                    continue
                 rec = records_pb2.RoundRecord.FromString(ev.value)
                 with self._cond:
                     self.records.append(rec)
@@ -119,6 +123,7 @@ class RoundLog:
             return self.records[-1] if self.records else None
 
     def close(self) -> None:
+        self._stop.set()
         self._watch.close()
 
 
