@@ -245,11 +245,23 @@ class StalwartRendezvousHandler(RendezvousHandler):
         """Refuse to join when this node's agent says it is fatal or an operator cordoned it."""
         if not self.health_gate:
             return
-        try:
+        with _etcd_errors():
             health = self._client.get(self._keys.health(self.node_id))
             node = self._client.get(self._keys.node(self.node_id))
-        except CoordError as exc:
-            raise RendezvousConnectionError(f"stalwart rendezvous: {exc}") from exc
+            hold = self._client.get(self._keys.cordon(self.node_id))
+            faults = self._client.get(self._keys.faults(self.node_id))
+        if hold is not None:
+            record = _parse(records_pb2.CordonRecord, hold.value, self._keys.cordon(self.node_id))
+            why = f": {record.reason}" if record.reason else ""
+            msg = f"node {self.node_id} is held by an operator{why}; it does not join (uncordon it to rejoin)"
+            log.error("stalwart rendezvous: %s", msg)
+            raise RendezvousError(msg)
+        quarantined = faults is not None and _parse(
+            records_pb2.FaultRecord, faults.value, self._keys.faults(self.node_id)).quarantined
+        if quarantined:
+            msg = f"node {self.node_id} is quarantined after repeated faults; it does not join (uncordon it to rejoin)"
+            log.error("stalwart rendezvous: %s", msg)
+            raise RendezvousError(msg)
         if node is not None:
             record = _parse(records_pb2.NodeRecord, node.value, self._keys.node(self.node_id))
             if record.cordoned:

@@ -89,8 +89,21 @@ class Watch:
         return item
 
     def __iter__(self) -> Iterator[WatchEvent]:
-        while not (self._closed.is_set() and self._queue.empty()):
-            yield from self.get(timeout=0.5)
+        """Events until the watch is closed (or fails: the error is raised)."""
+        while True:
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if self._closed.is_set():
+                    return
+                continue
+            if item is None:
+                self._queue.put(None)
+                return
+            if isinstance(item, BaseException):
+                self._queue.put(None)
+                raise item
+            yield from item
 
     def close(self) -> None:
         self._closed.set()

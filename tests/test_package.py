@@ -14,9 +14,14 @@ IMPORT_ALL = "; ".join(f"import stalwart.{p}" for p in SUBPACKAGES)
 
 
 def test_editable_install_maps_every_folder() -> None:
-    code = IMPORT_ALL + "; import stalwart.coord as c; print(c.__file__)"
+    code = IMPORT_ALL + "; import stalwart.coord as c; print('PATH=' + c.__file__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
-    assert Path(out.stdout.strip()).resolve() == REPO / "coord" / "__init__.py"
+    assert Path(_marked(out.stdout)[0]).resolve() == REPO / "coord" / "__init__.py"
+
+
+def _marked(stdout: str) -> list[str]:
+    """Lines the test printed (imported libraries may print their own)."""
+    return [line[5:] for line in stdout.splitlines() if line.startswith("PATH=")]
 
 
 def test_normal_install_imports_every_subpackage(tmp_path: Path) -> None:
@@ -31,11 +36,14 @@ def test_normal_install_imports_every_subpackage(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                     str(wheels[0])], check=True, capture_output=True)
     code = (f"import sys; sys.path.insert(0, {str(target)!r}); " + IMPORT_ALL +
-            "; import stalwart.coord as c, stalwart.proto.agent_pb2 as a; print(c.__file__); print(a.__file__)")
+            "; import stalwart.coord as c, stalwart.proto.agent_pb2 as a; print('PATH=' + c.__file__); "
+            "print('PATH=' + a.__file__)")
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd="/",
                          env={"PYTHONPATH": ":".join(p for p in sys.path if "site-packages" in p)})
     assert out.returncode == 0, out.stderr
-    for line in out.stdout.split():
+    paths = _marked(out.stdout)
+    assert len(paths) == 2
+    for line in paths:
         assert line.startswith(str(target)), line
     assert (target / "stalwart" / "proto" / "agent.proto").is_file()
     assert not (target / "stalwart" / "tests").exists()

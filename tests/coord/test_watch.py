@@ -87,3 +87,23 @@ def test_watch_sees_deletes_and_lease_expiry(etcd_client: EtcdClient, key_prefix
             seen += [(e.type, e.key) for e in watch.get(timeout=1)]
     assert seen == [(EventType.PUT, key_prefix + "a"), (EventType.DELETE, key_prefix + "a"),
                     (EventType.PUT, key_prefix + "b"), (EventType.DELETE, key_prefix + "b")]
+
+
+def test_iterating_a_watch_ends_when_it_is_closed(etcd_client: EtcdClient, key_prefix: str) -> None:
+    watch = Watch(etcd_client, key_prefix)
+    assert watch.wait_ready(5)
+    etcd_client.put(key_prefix + "a", b"1")
+    seen: list[str] = []
+
+    def consume() -> None:
+        for ev in watch:
+            seen.append(ev.key)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.02)
+    watch.close()
+    t.join(timeout=3)
+    assert not t.is_alive() and seen == [key_prefix + "a"]

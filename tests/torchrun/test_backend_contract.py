@@ -138,7 +138,7 @@ def _handler(etcd_server: LocalEtcd, job: str, node: str):  # type: ignore[no-un
     return create_rendezvous_handler(params)
 
 
-@pytest.mark.parametrize("verdict", ["fatal", "cordoned"])
+@pytest.mark.parametrize("verdict", ["fatal", "cordoned", "operator-hold", "quarantined"])
 def test_unhealthy_or_cordoned_node_does_not_join(etcd_server: LocalEtcd, etcd_client: EtcdClient,
                                                   key_prefix: str, verdict: str,
                                                   caplog: pytest.LogCaptureFixture) -> None:
@@ -152,8 +152,14 @@ def test_unhealthy_or_cordoned_node_does_not_join(etcd_server: LocalEtcd, etcd_c
         record = records_pb2.HealthRecord(node_id="sick", state=records_pb2.HEALTH_FATAL, findings=[
             records_pb2.Finding(source="nvml", device=3, state=records_pb2.HEALTH_FATAL, code="xid-79")])
         etcd_client.put(keys.health("sick"), record.SerializeToString())
-    else:
+    elif verdict == "cordoned":
         etcd_client.put(keys.node("sick"), records_pb2.NodeRecord(node_id="sick", cordoned=True).SerializeToString())
+    elif verdict == "operator-hold":
+        hold = records_pb2.CordonRecord(node_id="sick", reason="bad fan")
+        etcd_client.put(keys.cordon("sick"), hold.SerializeToString())
+    else:
+        etcd_client.put(keys.faults("sick"),
+                        records_pb2.FaultRecord(node_id="sick", quarantined=True).SerializeToString())
     handler = _handler(etcd_server, job, "sick")
     try:
         with caplog.at_level("ERROR"), pytest.raises(RendezvousError):
