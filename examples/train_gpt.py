@@ -140,7 +140,10 @@ def main() -> None:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if args.crash_at_step == trainer.step and trainer.rank == args.crash_rank:
-            os.kill(os.getpid(), signal.SIGKILL)  # a worker dies: no cleanup, no final checkpoint
+            # Let the checkpoint in flight commit first, so a test knows where the restart resumes;
+            # then the worker dies: no cleanup, no final checkpoint.
+            trainer.checkpointer.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
     trainer.finish()
 
 

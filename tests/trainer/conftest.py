@@ -1,0 +1,45 @@
+"""Fixtures for trainer tests: real DeepSpeed (CPU, gloo) under real torchrun processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from trainer_testlib import Torchrun  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ds_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment for DeepSpeed children.
+
+    DeepSpeed's CPU accelerator compiles C++ ops on first use (the shared-memory comm op at every
+    ``deepspeed.initialize``, the CPU Adam op for ``offload_optimizer``), about half a minute to two
+    minutes each on a small machine. One extensions directory for the whole session, kept in
+    pytest's cache between sessions, means the suite pays each compile once per machine.
+    """
+    cache = getattr(request.config, "cache", None)
+    ext = cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions")
+    return {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_EXTENSIONS_DIR": str(ext),
+        "OMP_NUM_THREADS": "1",
+        "LOGLEVEL": "INFO",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@pytest.fixture(scope="module")
+def torchrun_jobs(ds_env: dict[str, str]) -> Iterator[Torchrun]:
+    jobs = Torchrun(ds_env)
+    try:
+        yield jobs
+    finally:
+        jobs.close()
