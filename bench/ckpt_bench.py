@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure")
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="where the JSON goes")
     args = parser.parse_args(argv)
+    # DCP warns (from its background thread too) that it saves without a process group: intended.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir or args.out)

@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -303,13 +303,14 @@ class Checkpointer:
             try:
                 os.makedirs(step_dir, exist_ok=True)
                 stack.enter_context(storage.shared_lock(step_dir, create=True))
+                copy_here = None
                 if not handle._snapshot.is_set():
                     if copy_event is None:
-                        self._copy(entries, views, False)
+                        copy_here = handle  # overlap on CPU: copy each tensor just before its chunks
                     else:
                         copy_event.synchronize()
-                    handle._snapshot.set()
-                record.update(self._write_shard(step, step_dir, entries, views))
+                        handle._snapshot.set()
+                record.update(self._write_shard(step, step_dir, entries, views, copy_here))
                 record["metadata"] = meta
                 persist_s = time.perf_counter() - started
             except Exception as exc:
@@ -333,17 +334,27 @@ class Checkpointer:
             self._after_commit(info)
         handle._future.set_result(info)
 
-    def _write_shard(self, step: int, step_dir: str, entries: list[Entry], views: list[torch.Tensor]) -> dict[str, Any]:
+    def _write_shard(
+        self, step: int, step_dir: str, entries: list[Entry], views: list[torch.Tensor], copy: SaveHandle | None
+    ) -> dict[str, Any]:
+        """Write this rank's shard file; with ``copy``, snapshot each tensor right before its
+        chunks are queued (so copying overlaps encoding and writing) and then mark it done."""
         name = shard_file_name(self.rank)
         policy = self.config.compression
         arena_bytes = memoryview(self._arena.numpy()) if self._arena is not None else memoryview(b"")  # type: ignore[union-attr]
         base = self._arena.data_ptr() if self._arena is not None else 0
-        jobs: list[tuple[int, memoryview]] = []
-        for index, (e, v) in enumerate(zip(entries, views, strict=True)):
-            start = v.data_ptr() - base if e.region.numel else 0
-            size = e.tensor.element_size()
-            for lo, hi in chunk_bounds(e.region.numel, size, self.config.chunk_bytes):
-                jobs.append((index, arena_bytes[start + lo * size : start + hi * size]))
+
+        def jobs() -> Iterator[tuple[int, memoryview]]:
+            for index, (e, v) in enumerate(zip(entries, views, strict=True)):
+                if copy is not None and e.region.numel:
+                    v.view(e.tensor.shape).copy_(e.tensor)
+                start = v.data_ptr() - base if e.region.numel else 0
+                size = e.tensor.element_size()
+                for lo, hi in chunk_bounds(e.region.numel, size, self.config.chunk_bytes):
+                    yield index, arena_bytes[start + lo * size : start + hi * size]
+            if copy is not None:
+                copy._snapshot.set()
+
         tensors: dict[str, Any] = {
             e.name: {"dtype": e.dtype, "shape": list(e.region.shape), "region": e.region.to_json(), "chunks": []}
             for e in entries
@@ -353,7 +364,7 @@ class Checkpointer:
             out.write(pack_header(self.rank, self.world_size, step))
             window = 2 * self.config.encode_threads
             pending: collections.deque[tuple[int, int, concurrent.futures.Future[Any]]] = collections.deque()
-            queue = iter(jobs)
+            queue = jobs()
             for index, raw in itertools.islice(queue, window):
                 pending.append((index, len(raw), self._pool.submit(codec.encode, raw, policy)))
             while pending:

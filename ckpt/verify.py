@@ -63,7 +63,10 @@ def verify(root: str, step: int, *, progress: Progress | None = None, mark: bool
             done = _verify_file(manifest, step_dir, name, report, progress, done, total)
             report.files_checked += 1
     if report.ok and mark:
-        storage.mark_verified(step_dir, manifest.digest)
+        try:
+            storage.mark_verified(step_dir, manifest.digest)
+        except OSError as exc:  # e.g. a read-only copy: the verify itself still counts
+            log.warning("verify step %d: cannot record the result (%s)", step, exc)
     for p in report.problems:
         log.warning("verify step %d: %s", step, p)
     return report
