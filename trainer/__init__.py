@@ -6,39 +6,37 @@ hands out each global step's samples, checkpoints asynchronously, saves on SIGTE
 progress to the node's agent.
 """
 
-from stalwart.trainer.batching import (
-    DataPosition,
-    GlobalBatchSampler,
-    StepBatch,
-    accumulation_steps,
-    valid_world_sizes,
-)
-from stalwart.trainer.errors import (
-    IncompatibleCheckpoint,
-    InvalidWorldSize,
-    StepOutOfOrder,
-    TrainerError,
-    UnsupportedConfig,
-)
-from stalwart.trainer.record import StepRecorder, committed_steps, read_events
-from stalwart.trainer.trainer import RestoreInfo, Trainer, TrainerConfig, backend_for_device
+import importlib
+from typing import Any
 
-__all__ = [
-    "DataPosition",
-    "GlobalBatchSampler",
-    "IncompatibleCheckpoint",
-    "InvalidWorldSize",
-    "RestoreInfo",
-    "StepBatch",
-    "StepOutOfOrder",
-    "StepRecorder",
-    "Trainer",
-    "TrainerConfig",
-    "TrainerError",
-    "UnsupportedConfig",
-    "accumulation_steps",
-    "backend_for_device",
-    "committed_steps",
-    "read_events",
-    "valid_world_sizes",
-]
+# Names are imported on first use: ``stalwart.trainer.agent_client`` (used by any training
+# process, DeepSpeed or not) must not pay for importing DeepSpeed through this package.
+_EXPORTS = {
+    "DataPosition": "batching",
+    "GlobalBatchSampler": "batching",
+    "StepBatch": "batching",
+    "accumulation_steps": "batching",
+    "valid_world_sizes": "batching",
+    "IncompatibleCheckpoint": "errors",
+    "InvalidWorldSize": "errors",
+    "StepOutOfOrder": "errors",
+    "TrainerError": "errors",
+    "UnsupportedConfig": "errors",
+    "StepRecorder": "record",
+    "committed_steps": "record",
+    "read_events": "record",
+    "RestoreInfo": "trainer",
+    "Trainer": "trainer",
+    "TrainerConfig": "trainer",
+    "backend_for_device": "trainer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stalwart.trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"stalwart.trainer.{module}"), name)
+    globals()[name] = value
+    return value
