@@ -337,23 +337,42 @@ class Checkpointer:
     def _write_shard(
         self, step: int, step_dir: str, entries: list[Entry], views: list[torch.Tensor], copy: SaveHandle | None
     ) -> dict[str, Any]:
-        """Write this rank's shard file; with ``copy``, snapshot each tensor right before its
-        chunks are queued (so copying overlaps encoding and writing) and then mark it done."""
+        """Write this rank's shard file. With ``copy``, a helper thread snapshots the tensors one
+        after another (marking ``copy`` when all are done) while the chunks of tensors already
+        copied are encoded and written."""
         name = shard_file_name(self.rank)
         policy = self.config.compression
         arena_bytes = memoryview(self._arena.numpy()) if self._arena is not None else memoryview(b"")  # type: ignore[union-attr]
         base = self._arena.data_ptr() if self._arena is not None else 0
+        ready = [threading.Event() for _ in entries]
+        copy_errors: list[BaseException] = []
+
+        def copier(handle: SaveHandle) -> None:
+            try:
+                for e, v, event in zip(entries, views, ready, strict=True):
+                    if e.region.numel:
+                        v.view(e.tensor.shape).copy_(e.tensor)
+                    event.set()
+            except BaseException as exc:
+                copy_errors.append(exc)
+            finally:
+                for event in ready:
+                    event.set()
+                handle._snapshot.set()
+
+        if copy is not None:
+            threading.Thread(target=copier, args=(copy,), name=f"ckpt-snapshot-{step}", daemon=True).start()
+        else:
+            for event in ready:
+                event.set()
 
         def jobs() -> Iterator[tuple[int, memoryview]]:
             for index, (e, v) in enumerate(zip(entries, views, strict=True)):
-                if copy is not None and e.region.numel:
-                    v.view(e.tensor.shape).copy_(e.tensor)
+                ready[index].wait()
                 start = v.data_ptr() - base if e.region.numel else 0
                 size = e.tensor.element_size()
                 for lo, hi in chunk_bounds(e.region.numel, size, self.config.chunk_bytes):
                     yield index, arena_bytes[start + lo * size : start + hi * size]
-            if copy is not None:
-                copy._snapshot.set()
 
         tensors: dict[str, Any] = {
             e.name: {"dtype": e.dtype, "shape": list(e.region.shape), "region": e.region.to_json(), "chunks": []}
@@ -374,6 +393,8 @@ class Checkpointer:
                     pending.append((index_next, len(raw), self._pool.submit(codec.encode, raw, policy)))
                 tensors[entries[index].name]["chunks"].append([out.size, len(stored), raw_size, kind, digest])
                 out.write(stored)
+            if copy_errors:
+                raise copy_errors[0]
             size, file_digest = out.finish()
         except BaseException:
             out.abort()
