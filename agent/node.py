@@ -237,7 +237,7 @@ class NodeAgent:
             if exit_.kind in (ExitKind.SUCCESS, ExitKind.STOPPED):
                 return
             self.metrics.faults.labels(self.config.node_id, f"worker-{exit_.kind.value}").inc()
-            self._state.worker_findings.append(Finding("worker", exit_.local_rank, Severity.TRANSIENT,
+            self._state.worker_findings.append(Finding("worker", exit_.local_rank, Severity.OK,
                                                        f"worker-{exit_.kind.value}",
                                                        f"rank {exit_.rank}: {exit_.reason}"))
         self._publish_health(force=True)
@@ -255,7 +255,7 @@ class NodeAgent:
                 self.metrics.stalls.labels(self.config.node_id).inc()
                 with self._lock:
                     self._state.worker_findings.append(Finding(
-                        "stall", stall.rank, Severity.TRANSIENT, "stall",
+                        "stall", stall.rank, Severity.OK, "stall",
                         f"rank {stall.rank}: no step for {stall.silent_for:.1f} s (timeout {stall.timeout:.1f} s)"))
             if now >= next_peers:
                 self._probe_peers()
@@ -267,6 +267,8 @@ class NodeAgent:
                 log.warning("agent %s: cannot write to etcd: %s", self.config.node_id, exc)
 
     def findings(self) -> list[Finding]:
+        """Probe findings decide the node's verdict. Worker and stall findings are listed with
+        severity OK: they say the round broke (the daemon restarts it), not that the node is bad."""
         with self._lock:
             return self.probe.poll() + list(self._state.worker_findings)
 
@@ -274,10 +276,14 @@ class NodeAgent:
         found = self.findings()
         with self._lock:
             unreachable = list(self._state.unreachable)
+            number = self._state.round.number if self._state.round else 0
+        # Worker and stall findings belong to the current round (they are cleared when one opens):
+        # the round number tells the daemon which round they broke.
         return records_pb2.HealthRecord(
             node_id=self.config.node_id, state=health_state(int(verdict(found))), unreachable_peers=unreachable,
             findings=[records_pb2.Finding(source=f.source, device=max(f.device, 0), state=health_state(int(f.severity)),
-                                          code=f.code, detail=f.detail) for f in found],
+                                          code=f.code, detail=f.detail,
+                                          round=number if f.source in ("worker", "stall") else 0) for f in found],
         )
 
     def _publish_health(self, force: bool = False) -> None:

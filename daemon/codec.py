@@ -20,7 +20,8 @@ from stalwart.proto import records_pb2
 
 __all__ = [
     "BadRecord", "FaultInfo", "Hold", "NodeInfo", "RoundInfo", "ckpt_summary", "decode_ckpt", "decode_cordon",
-    "decode_faults", "decode_health", "decode_node", "decode_progress", "decode_round", "encode_closed",
+    "decode_faults", "decode_health", "decode_node", "decode_progress", "decode_round", "decode_worker_failure",
+    "encode_closed",
     "encode_cordon", "encode_faults", "encode_leader", "encode_round", "encode_status", "health_name", "host_of",
     "leader_summary", "round_summary", "status_summary",
 ]
@@ -116,6 +117,23 @@ def decode_health(node_id: str, value: bytes) -> tuple[Health | None, str, froze
     _check_id(rec.node_id, node_id, f"health {node_id}")
     detail = ", ".join(f"{f.code} on device {f.device}" if f.code else f.detail for f in rec.findings)
     return _HEALTH.get(rec.state), detail, frozenset(rec.unreachable_peers)
+
+
+# Worker findings that mean this node caused its round to fail, rather than suffering a peer's.
+BLAMED_WORKER_CODES = frozenset({"worker-signal", "worker-oom-killed", "stall"})
+
+
+def decode_worker_failure(node_id: str, value: bytes) -> tuple[int, bool, str] | None:
+    """(round, blame, detail) when the agent reports failed workers (a worker exit or a stall
+    finding carrying its round), else None."""
+    rec = _parse(records_pb2.HealthRecord, value, f"health {node_id}")
+    _check_id(rec.node_id, node_id, f"health {node_id}")
+    failed = [f for f in rec.findings if f.round and (f.source == "stall" or f.code.startswith("worker-"))]
+    if not failed:
+        return None
+    latest = max(f.round for f in failed)
+    mine = [f for f in failed if f.round == latest]
+    return int(latest), any(f.code in BLAMED_WORKER_CODES for f in mine), "; ".join(f.detail or f.code for f in mine)
 
 
 def decode_progress(node_id: str, value: bytes) -> tuple[int, int, float]:

@@ -32,6 +32,7 @@ from stalwart.daemon.round_events import (
     PeerReachability,
     ProgressReport,
     Uncordon,
+    WorkerFailed,
 )
 
 __all__ = ["Feed", "Snapshot"]
@@ -74,6 +75,7 @@ class Feed:
         self.quarantined: set[str] = set()
         self.members: frozenset[str] = frozenset()
         self.round_number = 0
+        self._failures_seen: set[tuple[str, int]] = set()  # (node, round): one restart per failure
         self._unreachable: dict[str, frozenset[str]] = {}
         self._warned: set[str] = set()
         self._on_ignored = on_ignored
@@ -210,6 +212,11 @@ class Feed:
         if node_id in self.members and self._unreachable.get(node_id, frozenset()) != unreachable:
             self._unreachable[node_id] = unreachable
             out.append(PeerReachability(node_id, unreachable))
+        failure = codec.decode_worker_failure(node_id, value)
+        if failure is not None and node_id in self.members and failure[0] == self.round_number \
+                and (node_id, failure[0]) not in self._failures_seen:
+            self._failures_seen.add((node_id, failure[0]))
+            out.append(WorkerFailed(node_id, failure[0], failure[1], failure[2]))
         return out
 
     def _progress(self, node_id: str, value: bytes) -> list[Event]:

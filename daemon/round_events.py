@@ -28,6 +28,7 @@ __all__ = [
     "Status",
     "Tick",
     "Uncordon",
+    "WorkerFailed",
     "malformed",
 ]
 
@@ -126,6 +127,19 @@ class PeerReachability:
 
 
 @dataclass(frozen=True)
+class WorkerFailed:
+    """A member's workers failed in round ``round`` (a worker died, or stopped making progress):
+    the round cannot go on and is restarted. ``blame`` says whether this node caused it (a
+    worker killed by a signal or the OOM killer, or a stall) rather than failing because a
+    peer did (an error exit in a collective); only blamed failures count towards quarantine."""
+
+    node_id: str
+    round: int
+    blame: bool = True
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed. Carries nothing: every call is given ``now``; a tick only gives time-based
     rules (join timeout, stall timeout, cool-down) a chance to fire when nothing else happens."""
@@ -141,6 +155,7 @@ Event = (
     | Cordon
     | Uncordon
     | PeerReachability
+    | WorkerFailed
     | Tick
 )
 
@@ -195,7 +210,7 @@ class Status:
 Decision = OpenRound | CloseRound | Status
 
 _NODE_EVENTS = (NodeRegistered, LeaseLost, HealthVerdict, ProgressReport, Drain, Cordon, Uncordon,
-                PeerReachability)
+                PeerReachability, WorkerFailed)
 
 
 def _is_count(value: object, minimum: int) -> bool:
@@ -227,6 +242,9 @@ def malformed(event: object) -> str | None:
     elif isinstance(event, ProgressReport):
         if not _is_count(event.step, 0):
             return f"step {event.step!r} is not a non-negative integer"
+    elif isinstance(event, WorkerFailed):
+        if not _is_count(event.round, 1):
+            return f"round {event.round!r} is not a positive integer"
     elif isinstance(event, PeerReachability):
         peers = event.unreachable
         if not isinstance(peers, (set, frozenset)) or not all(isinstance(p, str) for p in peers):

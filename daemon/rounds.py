@@ -63,6 +63,7 @@ from stalwart.daemon.round_events import (
     ProgressReport,
     Status,
     Uncordon,
+    WorkerFailed,
     malformed,
 )
 
@@ -261,6 +262,8 @@ class RoundMachine:
             self._on_uncordon(event)
         elif isinstance(event, PeerReachability):
             self._on_reachability(event)
+        elif isinstance(event, WorkerFailed):
+            self._on_worker_failed(event, now)
         # Tick: nothing to apply; the time-based rules run after every batch
 
     # --- event handlers -------------------------------------------------------------------------
@@ -327,6 +330,18 @@ class RoundMachine:
             rec.health is Health.FATAL or rec.state is NodeState.QUARANTINED
         ):
             self._broken.append(f"node {rec.node_id} {why}")
+
+    def _on_worker_failed(self, ev: WorkerFailed, now: float) -> None:
+        """Restart the round (the restart-everything path): its members stay, newcomers may join."""
+        rec = self._known(ev.node_id, "worker failure")
+        rnd = self.state.round
+        if rec is None or rnd is None or ev.round != rnd.number or not self._in_round(rec.node_id):
+            log.info("round %d: node %s: ignored worker failure of round %d", self._round_no(), ev.node_id, ev.round)
+            return
+        why = f"worker failed ({ev.detail})" if ev.detail else "worker failed"
+        if ev.blame and rec.state not in HELD:
+            self._fault(rec, now, why)
+        self._broken.append(f"node {rec.node_id} {why}")
 
     def _on_progress(self, ev: ProgressReport, now: float) -> None:
         rnd = self.state.round

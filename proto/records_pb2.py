@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstalwart/proto/records.proto\x12\x0bstalwart.v1\"\xe4\x01\n\nNodeRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\r\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x37\n\x08versions\x18\x05 \x03(\x0b\x32%.stalwart.v1.NodeRecord.VersionsEntry\x12\x15\n\rregistered_at\x18\x06 \x01(\x01\x12\x10\n\x08\x63ordoned\x18\x07 \x01(\x08\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"p\n\x07\x46inding\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.stalwart.v1.HealthState\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"\x9f\x01\n\x0cHealthRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.stalwart.v1.HealthState\x12&\n\x08\x66indings\x18\x03 \x03(\x0b\x32\x14.stalwart.v1.Finding\x12\x19\n\x11unreachable_peers\x18\x04 \x03(\t\x12\x12\n\nchecked_at\x18\x05 \x01(\x01\"f\n\x0eProgressRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tstep_time\x18\x04 \x01(\x01\x12\x13\n\x0breported_at\x18\x05 \x01(\x01\"F\n\x0cLeaderRecord\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nelected_at\x18\x03 \x01(\x01\"p\n\x0bRoundMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x12\n\nfirst_rank\x18\x03 \x01(\r\x12\x18\n\x10local_world_size\x18\x04 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"\xfe\x01\n\x0bRoundRecord\x12\x0e\n\x06number\x18\x01 \x01(\x04\x12)\n\x07members\x18\x02 \x03(\x0b\x32\x18.stalwart.v1.RoundMember\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0bmaster_addr\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\r\x12\x18\n\x10has_restore_step\x18\x06 \x01(\x08\x12\x14\n\x0crestore_step\x18\x07 \x01(\x04\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x12\n\ndecided_by\x18\t \x01(\t\x12\x12\n\ndecided_at\x18\n \x01(\x01\x12\x0e\n\x06\x63losed\x18\x0b \x01(\x08\"\x80\x01\n\x10\x43heckpointRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x14\n\x0c\x63ommitted_at\x18\x06 \x01(\x01\"l\n\x0c\x43ordonRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.stalwart.v1.HoldKind\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\n\n\x02\x62y\x18\x04 \x01(\t\x12\n\n\x02\x61t\x18\x05 \x01(\x01\"l\n\x0b\x46\x61ultRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66\x61ult_times\x18\x02 \x03(\x01\x12\x13\n\x0bquarantined\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x12\n\nwritten_by\x18\x05 \x01(\t\"L\n\x0c\x44\x61\x65monStatus\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tdaemon_id\x18\x03 \x01(\t\x12\n\n\x02\x61t\x18\x04 \x01(\x01*X\n\x0bHealthState\x12\x12\n\x0eHEALTH_UNKNOWN\x10\x00\x12\r\n\tHEALTH_OK\x10\x01\x12\x14\n\x10HEALTH_TRANSIENT\x10\x02\x12\x10\n\x0cHEALTH_FATAL\x10\x03*:\n\x08HoldKind\x12\r\n\tHOLD_NONE\x10\x00\x12\x0f\n\x0bHOLD_CORDON\x10\x01\x12\x0e\n\nHOLD_DRAIN\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstalwart/proto/records.proto\x12\x0bstalwart.v1\"\xe4\x01\n\nNodeRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x01(\r\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x37\n\x08versions\x18\x05 \x03(\x0b\x32%.stalwart.v1.NodeRecord.VersionsEntry\x12\x15\n\rregistered_at\x18\x06 \x01(\x01\x12\x10\n\x08\x63ordoned\x18\x07 \x01(\x08\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x7f\n\x07\x46inding\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.stalwart.v1.HealthState\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x04\"\x9f\x01\n\x0cHealthRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.stalwart.v1.HealthState\x12&\n\x08\x66indings\x18\x03 \x03(\x0b\x32\x14.stalwart.v1.Finding\x12\x19\n\x11unreachable_peers\x18\x04 \x03(\t\x12\x12\n\nchecked_at\x18\x05 \x01(\x01\"f\n\x0eProgressRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tstep_time\x18\x04 \x01(\x01\x12\x13\n\x0breported_at\x18\x05 \x01(\x01\"F\n\x0cLeaderRecord\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nelected_at\x18\x03 \x01(\x01\"p\n\x0bRoundMember\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x12\n\nfirst_rank\x18\x03 \x01(\r\x12\x18\n\x10local_world_size\x18\x04 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"\xfe\x01\n\x0bRoundRecord\x12\x0e\n\x06number\x18\x01 \x01(\x04\x12)\n\x07members\x18\x02 \x03(\x0b\x32\x18.stalwart.v1.RoundMember\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x13\n\x0bmaster_addr\x18\x04 \x01(\t\x12\x13\n\x0bmaster_port\x18\x05 \x01(\r\x12\x18\n\x10has_restore_step\x18\x06 \x01(\x08\x12\x14\n\x0crestore_step\x18\x07 \x01(\x04\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\x12\n\ndecided_by\x18\t \x01(\t\x12\x12\n\ndecided_at\x18\n \x01(\x01\x12\x0e\n\x06\x63losed\x18\x0b \x01(\x08\"\x80\x01\n\x10\x43heckpointRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x14\n\x0c\x63ommitted_at\x18\x06 \x01(\x01\"l\n\x0c\x43ordonRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.stalwart.v1.HoldKind\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\n\n\x02\x62y\x18\x04 \x01(\t\x12\n\n\x02\x61t\x18\x05 \x01(\x01\"l\n\x0b\x46\x61ultRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66\x61ult_times\x18\x02 \x03(\x01\x12\x13\n\x0bquarantined\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x12\n\nwritten_by\x18\x05 \x01(\t\"L\n\x0c\x44\x61\x65monStatus\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tdaemon_id\x18\x03 \x01(\t\x12\n\n\x02\x61t\x18\x04 \x01(\x01*X\n\x0bHealthState\x12\x12\n\x0eHEALTH_UNKNOWN\x10\x00\x12\r\n\tHEALTH_OK\x10\x01\x12\x14\n\x10HEALTH_TRANSIENT\x10\x02\x12\x10\n\x0cHEALTH_FATAL\x10\x03*:\n\x08HoldKind\x12\r\n\tHOLD_NONE\x10\x00\x12\x0f\n\x0bHOLD_CORDON\x10\x01\x12\x0e\n\nHOLD_DRAIN\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NODERECORD_VERSIONSENTRY']._loaded_options = None
   _globals['_NODERECORD_VERSIONSENTRY']._serialized_options = b'8\001'
-  _globals['_HEALTHSTATE']._serialized_start=1528
-  _globals['_HEALTHSTATE']._serialized_end=1616
-  _globals['_HOLDKIND']._serialized_start=1618
-  _globals['_HOLDKIND']._serialized_end=1676
+  _globals['_HEALTHSTATE']._serialized_start=1543
+  _globals['_HEALTHSTATE']._serialized_end=1631
+  _globals['_HOLDKIND']._serialized_start=1633
+  _globals['_HOLDKIND']._serialized_end=1691
   _globals['_NODERECORD']._serialized_start=46
   _globals['_NODERECORD']._serialized_end=274
   _globals['_NODERECORD_VERSIONSENTRY']._serialized_start=227
   _globals['_NODERECORD_VERSIONSENTRY']._serialized_end=274
   _globals['_FINDING']._serialized_start=276
-  _globals['_FINDING']._serialized_end=388
-  _globals['_HEALTHRECORD']._serialized_start=391
-  _globals['_HEALTHRECORD']._serialized_end=550
-  _globals['_PROGRESSRECORD']._serialized_start=552
-  _globals['_PROGRESSRECORD']._serialized_end=654
-  _globals['_LEADERRECORD']._serialized_start=656
-  _globals['_LEADERRECORD']._serialized_end=726
-  _globals['_ROUNDMEMBER']._serialized_start=728
-  _globals['_ROUNDMEMBER']._serialized_end=840
-  _globals['_ROUNDRECORD']._serialized_start=843
-  _globals['_ROUNDRECORD']._serialized_end=1097
-  _globals['_CHECKPOINTRECORD']._serialized_start=1100
-  _globals['_CHECKPOINTRECORD']._serialized_end=1228
-  _globals['_CORDONRECORD']._serialized_start=1230
-  _globals['_CORDONRECORD']._serialized_end=1338
-  _globals['_FAULTRECORD']._serialized_start=1340
-  _globals['_FAULTRECORD']._serialized_end=1448
-  _globals['_DAEMONSTATUS']._serialized_start=1450
-  _globals['_DAEMONSTATUS']._serialized_end=1526
+  _globals['_FINDING']._serialized_end=403
+  _globals['_HEALTHRECORD']._serialized_start=406
+  _globals['_HEALTHRECORD']._serialized_end=565
+  _globals['_PROGRESSRECORD']._serialized_start=567
+  _globals['_PROGRESSRECORD']._serialized_end=669
+  _globals['_LEADERRECORD']._serialized_start=671
+  _globals['_LEADERRECORD']._serialized_end=741
+  _globals['_ROUNDMEMBER']._serialized_start=743
+  _globals['_ROUNDMEMBER']._serialized_end=855
+  _globals['_ROUNDRECORD']._serialized_start=858
+  _globals['_ROUNDRECORD']._serialized_end=1112
+  _globals['_CHECKPOINTRECORD']._serialized_start=1115
+  _globals['_CHECKPOINTRECORD']._serialized_end=1243
+  _globals['_CORDONRECORD']._serialized_start=1245
+  _globals['_CORDONRECORD']._serialized_end=1353
+  _globals['_FAULTRECORD']._serialized_start=1355
+  _globals['_FAULTRECORD']._serialized_end=1463
+  _globals['_DAEMONSTATUS']._serialized_start=1465
+  _globals['_DAEMONSTATUS']._serialized_end=1541
 # @@protoc_insertion_point(module_scope)

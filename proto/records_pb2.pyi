@@ -53,18 +53,20 @@ class NodeRecord(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., hostname: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., registered_at: _Optional[float] = ..., cordoned: _Optional[bool] = ...) -> None: ...
 
 class Finding(_message.Message):
-    __slots__ = ("source", "device", "state", "code", "detail")
+    __slots__ = ("source", "device", "state", "code", "detail", "round")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     source: str
     device: int
     state: HealthState
     code: str
     detail: str
-    def __init__(self, source: _Optional[str] = ..., device: _Optional[int] = ..., state: _Optional[_Union[HealthState, str]] = ..., code: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    round: int
+    def __init__(self, source: _Optional[str] = ..., device: _Optional[int] = ..., state: _Optional[_Union[HealthState, str]] = ..., code: _Optional[str] = ..., detail: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
 class HealthRecord(_message.Message):
     __slots__ = ("node_id", "state", "findings", "unreachable_peers", "checked_at")

@@ -621,3 +621,44 @@ def test_transition_table_rejects_forbidden_moves() -> None:
         check_transition("a", NodeState.LOST, NodeState.MEMBER)
     with pytest.raises(TransitionError):
         check_transition("a", NodeState.QUARANTINED, NodeState.MEMBER)
+
+
+# --- worker failures: the restart-everything path -------------------------------------------------
+
+
+def test_worker_failure_restarts_the_round_with_the_same_members() -> None:
+    from stalwart.daemon.round_events import WorkerFailed
+
+    sim = Sim()
+    first = sim.start("a", "b", "c")
+    sim.progress(5, dt=1)
+    sim.send(CheckpointCommitted(4))
+    again = only_round(sim.send(WorkerFailed("b", first.number, blame=True, detail="rank 1: killed by SIGKILL")))
+    assert again.number == first.number + 1
+    assert ids(again) == ids(first)
+    assert again.restore_step == 4
+    assert "worker failed" in again.reason
+    assert len(sim.machine.state.nodes["b"].faults) == 1  # blamed: counts towards quarantine
+
+
+def test_peer_side_failure_restarts_without_blame_and_stale_reports_are_ignored() -> None:
+    from stalwart.daemon.round_events import WorkerFailed
+
+    sim = Sim()
+    first = sim.start("a", "b")
+    assert sim.send(WorkerFailed("a", first.number + 5)) == []  # not the current round
+    assert sim.send(WorkerFailed("ghost", first.number)) == []  # unknown node
+    again = only_round(sim.send(WorkerFailed("a", first.number, blame=False, detail="exit code 1")))
+    assert ids(again) == ids(first) and sim.machine.state.nodes["a"].faults == []
+    assert sim.send(WorkerFailed("a", first.number)) == []  # the old round's failure, reported late
+
+
+def test_repeated_blamed_worker_failures_quarantine_the_node() -> None:
+    from stalwart.daemon.round_events import WorkerFailed
+
+    sim = Sim(quarantine_faults=2, min_nodes=2)
+    rnd = sim.start("a", "b", "c")
+    rnd = only_round(sim.send(WorkerFailed("c", rnd.number), dt=1))
+    assert "c" in ids(rnd)
+    rnd = only_round(sim.send(WorkerFailed("c", rnd.number), dt=1))
+    assert "c" not in ids(rnd) and sim.state_of("c") is NodeState.QUARANTINED

@@ -30,6 +30,7 @@ from stalwart.daemon.round_events import (
     Status,
     Tick,
     Uncordon,
+    WorkerFailed,
 )
 from stalwart.daemon.rounds import RoundMachine
 
@@ -70,6 +71,7 @@ _KINDS: dict[str, tuple[int, st.SearchStrategy[Event]]] = {
     "cordon": (1, st.builds(Cordon, IDS)),
     "uncordon": (1, st.builds(Uncordon, IDS)),
     "reachability": (2, st.builds(PeerReachability, IDS, st.frozensets(IDS, max_size=3))),
+    "worker": (2, st.builds(WorkerFailed, IDS, st.integers(1, 6), st.booleans())),
     "tick": (3, st.just(Tick())),
     "malformed": (1, st.builds(ProgressReport, IDS, st.integers(-2, -1), st.just(0.0))),
 }

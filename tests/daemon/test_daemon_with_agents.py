@@ -1,0 +1,111 @@
+"""The daemon with real agents and real workers: the restart path and a dead agent, end to end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+from daemon_testlib import DaemonProc, RoundLog, members, new_job
+
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.keys import JobKeys
+from stalwart.coord.local import LocalEtcd
+from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+
+WORKER = str(Path(__file__).resolve().parents[1] / "agent" / "worker_script.py")
+STALWART = str(Path(sys.executable).with_name("stalwart"))
+
+
+def _start_agent(etcd: LocalEtcd, job: str, node: str, tmp_path: Path) -> subprocess.Popen[bytes]:
+    cfg = tmp_path / f"{node}.toml"
+    cfg.write_text(f'''job = "{job}"
+node_id = "{node}"
+command = ["{sys.executable}", "{WORKER}"]
+workers = 1
+insecure = true
+listen = "127.0.0.1:0"
+state_dir = "{tmp_path / node}"
+lease_ttl = 2
+probe = "fake"
+stop_grace = 2.0
+[etcd]
+endpoints = ["{etcd.endpoints[0]}"]
+''')
+    with open(tmp_path / f"{node}.log", "ab") as log:
+        return subprocess.Popen([STALWART, "--log-level", "info", "agent", "--config", str(cfg)], stdout=log,
+                                stderr=subprocess.STDOUT)
+
+
+def _status(client: EtcdClient, job: str, node: str) -> agent_pb2.NodeStatus:
+    record = records_pb2.NodeRecord.FromString(client.get(JobKeys(job).node(node)).value)  # type: ignore[union-attr]
+    with grpc.insecure_channel(record.address) as channel:
+        return agent_pb2_grpc.AgentStub(channel).GetStatus(agent_pb2.StatusRequest(), timeout=5)
+
+
+def _running(client: EtcdClient, job: str, node: str, round_number: int) -> list[int]:
+    status = _status(client, job, node)
+    if status.round != round_number:
+        return []
+    return [w.pid for w in status.workers if w.state == agent_pb2.WORKER_RUNNING]
+
+
+def _wait(pred, timeout: float, what: str, logs: Path) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if pred():
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    tails = "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+                      for p in sorted(logs.glob("*.log")))
+    raise AssertionError(f"timed out waiting for {what}\n{tails}")
+
+
+def test_worker_death_restarts_the_round_and_a_dead_agent_shrinks_it(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path) -> None:
+    job = new_job()
+    rounds = RoundLog(etcd_client, job)
+    daemon = DaemonProc(etcd_server.endpoints, job, tmp_path / "d.log", "d1", "--min-nodes", "2",
+                        "--max-nodes", "3", "--join-timeout", "30", "--regrow-cooldown", "0")
+    agents = {n: _start_agent(etcd_server, job, n, tmp_path) for n in ("n0", "n1", "n2")}
+    try:
+        first = rounds.wait_number(1, timeout=60)
+        assert members(first) == ["n0", "n1", "n2"]
+        for n in agents:
+            _wait(lambda n=n: _running(etcd_client, job, n, 1), 60, f"{n}'s worker in round 1", tmp_path)
+
+        # a worker dies: the agent reports it, the daemon restarts the round with the same members
+        victim = _running(etcd_client, job, "n1", 1)[0]
+        os.kill(victim, signal.SIGKILL)
+        second = rounds.wait_number(2, timeout=15)
+        assert members(second) == ["n0", "n1", "n2"] and "worker failed" in second.reason
+        for n in agents:
+            _wait(lambda n=n: _running(etcd_client, job, n, 2), 60, f"{n}'s worker in round 2", tmp_path)
+
+        # an agent dies: its worker goes with it, its lease expires, the world shrinks
+        worker = psutil.Process(_running(etcd_client, job, "n2", 2)[0])
+        agents["n2"].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        third = rounds.wait_number(3, timeout=15)
+        assert members(third) == ["n0", "n1"]
+        assert time.monotonic() - killed <= 2 + 2  # lease TTL, plus the daemon's decision
+        assert worker.wait(timeout=5) is not None or not worker.is_running()
+    finally:
+        for proc in agents.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in agents.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        daemon.stop()
+        rounds.close()
