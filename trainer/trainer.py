@@ -395,7 +395,7 @@ class Trainer:
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     py_state = random.getstate()
     return {
         "torch": bytes(torch.get_rng_state().numpy()),

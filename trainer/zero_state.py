@@ -73,7 +73,7 @@ class ZeroState:
         if self.stage not in (1, 2, 3):
             raise UnsupportedConfig(f"ZeRO stage {self.stage} is not supported; use stage 1, 2 or 3")
         self.zero = engine.optimizer
-        self.base = getattr(self.zero, "optimizer", None)
+        self.base: Any = getattr(self.zero, "optimizer", None)
         if self.base is None or type(self.base).__name__ not in _ADAM_FAMILY:
             raise UnsupportedConfig(
                 f"optimizer {type(self.base).__name__} is not supported; use Adam/AdamW "
@@ -90,7 +90,7 @@ class ZeroState:
 
     # --- layout -------------------------------------------------------------------------------
 
-    def shape(self, param: torch.nn.Parameter) -> tuple[int, ...]:
+    def shape(self, param: Any) -> tuple[int, ...]:
         return tuple(param.ds_shape) if self.stage == 3 else tuple(param.shape)
 
     def logical_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -107,7 +107,7 @@ class ZeroState:
             return list(self.zero.fp32_partitioned_groups_flat)
         return list(self.zero.single_partition_of_fp32_groups)
 
-    def _stage3_part(self, param: torch.nn.Parameter) -> _Stage3Part:
+    def _stage3_part(self, param: Any) -> _Stage3Part:
         size = int(param.partition_numel())
         start = dist.get_rank(group=param.ds_process_group) * size
         return _Stage3Part(start, max(0, min(size, int(param.ds_numel) - start)))

@@ -119,3 +119,20 @@ def test_world_size_without_a_valid_split_fails_at_start(torchrun_jobs: Torchrun
     assert rc != 0
     assert "stalwart.trainer.errors.InvalidWorldSize" in log.read_text(errors="replace")
     assert not (tmp_path / "ckpt").exists() or list_checkpoints(str(tmp_path / "ckpt")) == []
+
+
+@pytest.mark.slow
+def test_with_dropout_resume_at_the_same_world_size_is_bitwise_equal(torchrun_jobs: Torchrun,
+                                                                     tmp_path: Path) -> None:
+    """Dropout draws from each rank's RNG: bitwise equality needs the RNG streams restored too."""
+    dropout = ["--dropout", "0.1"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_dir.mkdir()
+    run_dir.mkdir()
+    assert _gpt(torchrun_jobs, ref_dir, 2, "run", *dropout) == 0, tail(ref_dir / "run.log")
+    assert _gpt(torchrun_jobs, run_dir, 2, "run1", *dropout, "--crash-at-step", "7", "--crash-rank", "1") != 0
+    assert _gpt(torchrun_jobs, run_dir, 2, "run2", *dropout) == 0, tail(run_dir / "run2.log")
+    ref = _losses(read_events(str(ref_dir / "steps.jsonl")))
+    events = read_events(str(run_dir / "steps.jsonl"))
+    assert [e["step"] for e in events if e["event"] == "restore"] == [0, 4]
+    assert _losses(events) == ref
