@@ -34,6 +34,7 @@ import json
 import logging
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -171,7 +172,9 @@ class Trainer:
         self._pending: list[SaveHandle] = []
         self._sigterm = False
         self._closed = False
-        self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Python delivers signals to the main thread only; elsewhere the agent's SIGTERM is not seen.
+        on_main = threading.current_thread() is threading.main_thread()
+        self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm) if on_main else None
 
     @classmethod
     def initialize(cls, model: torch.nn.Module, ds_config: dict[str, Any], config: TrainerConfig, *,
@@ -274,7 +277,8 @@ class Trainer:
             self._closed = True
             self._report_saves()
             self.checkpointer.close()
-            signal.signal(signal.SIGTERM, self._old_handler)
+            if self._old_handler is not None:
+                signal.signal(signal.SIGTERM, self._old_handler)
             self.agent.close("finished" if not self._sigterm else "sigterm")
 
     # --- internals -----------------------------------------------------------------------------
