@@ -31,4 +31,16 @@ if ! .venv/bin/python -c 'import stalwart.cli, pytest_timeout' 2>/dev/null \
     .venv/bin/pip install -q -c constraints.txt -e '.[test]'
     touch .venv/.stalwart-installed
 fi
+# DeepSpeed on the CPU compiles C++ ops on first use (minutes on 2 cores). Build the ones every
+# run and test needs once, into .venv/torch_extensions, which tests and the demo use.
+export TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions"
+if [ ! -f .venv/.ds-ops-built ]; then
+    echo "setup: building DeepSpeed's CPU ops (once; a few minutes)"
+    DS_ACCELERATOR=cpu .venv/bin/python -c '
+from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+from deepspeed.ops.op_builder.cpu.cpu_adam import CPUAdamBuilder
+ShareMemCommBuilder().load(verbose=False)
+CPUAdamBuilder().load(verbose=False)
+' >/dev/null 2>&1 && touch .venv/.ds-ops-built || echo "setup: warning: DeepSpeed op build failed; runs will build them on first use"
+fi
 echo "setup: ready ($(.venv/bin/stalwart version --short))"

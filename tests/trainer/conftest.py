@@ -21,11 +21,18 @@ def ds_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
     DeepSpeed's CPU accelerator compiles C++ ops on first use (the shared-memory comm op at every
     ``deepspeed.initialize``, the CPU Adam op for ``offload_optimizer``), about half a minute to two
-    minutes each on a small machine. One extensions directory for the whole session, kept in
-    pytest's cache between sessions, means the suite pays each compile once per machine.
+    minutes each on a small machine. ``scripts/setup.sh`` builds them into ``.venv/torch_extensions``
+    (or ``$TORCH_EXTENSIONS_DIR``); without that, one directory kept in pytest's cache between
+    sessions means the suite pays each compile once per machine.
     """
+    built = os.path.join(os.path.dirname(os.path.dirname(HERE)), ".venv", "torch_extensions")
     cache = getattr(request.config, "cache", None)
-    ext = cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions")
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        ext = os.environ["TORCH_EXTENSIONS_DIR"]
+    elif os.path.isdir(built):
+        ext = built
+    else:
+        ext = str(cache.mkdir("torch_extensions") if cache is not None else tmp_path_factory.mktemp("torch_extensions"))
     return {
         **os.environ,
         "DS_ACCELERATOR": "cpu",

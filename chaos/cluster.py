@@ -1,0 +1,206 @@
+"""A whole stalwart cluster on one machine, for chaos runs and the demo.
+
+etcd members (``LocalEtcd``), rendezvous daemons and one agent per simulated node, each a real
+process on loopback ports with its log under the run's directory. Agents run with the fake GPU
+probe and fault injection enabled (this cluster exists to be broken), over plain TCP (loopback
+only). :meth:`LocalCluster.stop` tears everything down, also after a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import psutil
+
+from stalwart.chaos.scenario import Scenario
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.keys import JobKeys
+from stalwart.coord.local import LocalEtcd, free_port
+from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal a process and everything below it (frozen first, so nothing reacts half-way)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.suspend()
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        try:
+            p.send_signal(sig)
+            if sig != signal.SIGKILL:
+                p.resume()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+class LocalCluster:
+    def __init__(self, scenario: Scenario, workdir: Path, job: str = "chaos") -> None:
+        self.scenario = scenario
+        self.workdir = workdir
+        self.job = job
+        self.keys = JobKeys(job)
+        self.ckpt_dir = workdir / "checkpoints"
+        self.steps_log = workdir / "steps.jsonl"
+        self.etcd = LocalEtcd(workdir / "etcd", scenario.cluster.etcd_members)
+        self.daemons: dict[str, Proc] = {}
+        self.agents: dict[str, Proc] = {}
+        self.client: EtcdClient | None = None
+        self.master_port = free_port()
+        self._python = sys.executable
+        built = Path(__file__).resolve().parent.parent / ".venv" / "torch_extensions"  # scripts/setup.sh
+        self._env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                         TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(built)))
+
+    # -- bring-up ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.etcd.start()
+        self.client = EtcdClient(self.etcd.client_config(timeout=10.0))
+        for i in range(self.scenario.cluster.daemons):
+            self.start_daemon(f"daemon{i}")
+        for node in self.scenario.node_names():
+            self.start_agent(node)
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        path = self.workdir / f"{name}.log"
+        with open(path, "ab") as out:
+            popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self._env, start_new_session=True)
+        return Proc(name, popen, path)
+
+    def start_daemon(self, name: str) -> None:
+        c = self.scenario.cluster
+        args = [self._python, "-m", "stalwart.cli.main", "--log-level", "info", "daemon",
+                "--endpoints", ",".join(self.etcd.endpoints), "--job", self.job, "--daemon-id", name,
+                "--lease-ttl", str(c.lease_ttl), "--tick-interval", "0.2", "--status-interval", "1",
+                "--metrics-port", "0", "--health-port", "0", "--min-nodes", str(c.min_nodes),
+                "--max-nodes", str(c.nodes), "--node-quantum", str(c.node_quantum), "--join-timeout", "3",
+                "--regrow-cooldown", "0", "--stall-timeout", "300", "--quarantine-faults", "100",
+                "--master-port", str(self.master_port)]
+        self.daemons[name] = self._spawn(name, args)
+
+    def job_command(self) -> list[str]:
+        j = self.scenario.job
+        script = Path(j.script)
+        if not script.is_absolute():
+            script = Path(__file__).resolve().parent.parent / script
+        return [self._python, str(script), "--ckpt-dir", str(self.ckpt_dir), "--steps", str(j.steps),
+                "--global-batch", str(j.global_batch), "--micro-batch", str(j.micro_batch),
+                "--dataset-len", str(j.samples), "--zero-stage", str(j.zero_stage),
+                "--save-every", str(j.checkpoint_every), "--steps-log", str(self.steps_log),
+                "--step-sleep", str(j.step_time)]
+
+    def start_agent(self, node: str) -> None:
+        c = self.scenario.cluster
+        cfg = self.workdir / f"{node}.toml"
+        command = ", ".join(f'"{a}"' for a in self.job_command())
+        cfg.write_text(
+            f'job = "{self.job}"\nnode_id = "{node}"\ncommand = [{command}]\nworkers = {c.workers_per_node}\n'
+            f'listen = "127.0.0.1:0"\ninsecure = true\nstate_dir = "{self.workdir / node}"\n'
+            f"lease_ttl = {c.lease_ttl}\nprobe = \"fake\"\nfault_injection = true\nstop_grace = 10.0\n"
+            f"stall_floor = 4.0\nstall_factor = 10.0\nstall_first_step = 180.0\nprogress_interval = 1.0\n"
+            f"peer_probe_interval = 2.0\n[etcd]\nendpoints = [{', '.join(repr(e) for e in self.etcd.endpoints)}]\n"
+            .replace("'", '"'))
+        self.agents[node] = self._spawn(node, [self._python, "-m", "stalwart.cli.main", "--log-level", "info",
+                                               "agent", "--config", str(cfg)])
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def round(self) -> records_pb2.RoundRecord | None:
+        assert self.client is not None
+        kv = self.client.get(self.keys.round)
+        return records_pb2.RoundRecord.FromString(kv.value) if kv else None
+
+    def leader(self) -> str | None:
+        assert self.client is not None
+        kv = self.client.get(self.keys.leader)
+        return records_pb2.LeaderRecord.FromString(kv.value).daemon_id if kv else None
+
+    def agent_address(self, node: str) -> str | None:
+        assert self.client is not None
+        kv = self.client.get(self.keys.node(node))
+        return records_pb2.NodeRecord.FromString(kv.value).address if kv else None
+
+    def agent_call(self, node: str, method: str, request: object, timeout: float = 10.0) -> object:
+        address = self.agent_address(node)
+        if address is None:
+            raise RuntimeError(f"{node} has no agent registered")
+        with grpc.insecure_channel(address) as channel:
+            return getattr(agent_pb2_grpc.AgentStub(channel), method)(request, timeout=timeout)
+
+    def status(self, node: str) -> agent_pb2.NodeStatus:
+        return self.agent_call(node, "GetStatus", agent_pb2.StatusRequest())  # type: ignore[return-value]
+
+    def members(self) -> list[str]:
+        rnd = self.round()
+        return [] if rnd is None or rnd.closed else [m.node_id for m in rnd.members]
+
+    # -- faults on processes -----------------------------------------------------------------------
+
+    def kill_agent(self, node: str) -> None:
+        proc = self.agents[node]
+        proc.popen.send_signal(signal.SIGKILL)  # its workers die with it (parent-death signal)
+        proc.popen.wait(timeout=10)
+
+    def kill_daemon(self, name: str) -> None:
+        proc = self.daemons[name]
+        kill_tree(proc.popen.pid)
+        proc.popen.wait(timeout=10)
+
+    def wait_until(self, predicate: object, timeout: float, poll: float = 0.1) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if predicate():  # type: ignore[operator]
+                    return True
+            except Exception:  # a process between lives: try again
+                pass
+            time.sleep(poll)
+        return False
+
+    # -- teardown ----------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        for proc in [*self.agents.values(), *self.daemons.values()]:
+            if proc.alive:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in [*self.agents.values(), *self.daemons.values()]:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.popen.pid)
+                proc.popen.wait(timeout=10)
+        if self.client is not None:
+            self.client.close()
+        self.etcd.stop()
