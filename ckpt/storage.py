@@ -75,6 +75,21 @@ def is_committed(root: str, step: int) -> bool:
     return os.path.exists(os.path.join(step_path(root, step), MANIFEST_NAME))
 
 
+def set_aside(root: str, step: int) -> str | None:
+    """Move a checkpoint the loader refused (corrupt, incomplete) out of the way, keeping it for
+    inspection as ``corrupt-step-…``: its step number becomes free for the re-run that follows
+    a fall-back, and no loader looks at it again. Returns the new path (None if it was gone)."""
+    src = step_path(root, step)
+    dst = os.path.join(root, f"corrupt-{os.path.basename(src)}-{time.time_ns()}")
+    try:
+        os.rename(src, dst)
+    except FileNotFoundError:
+        return None
+    fsync_dir(root)
+    log.warning("set aside checkpoint step %d as %s", step, dst)
+    return dst
+
+
 def read_manifest(root: str, step: int) -> Manifest:
     """Read and check the manifest of ``step``.
 

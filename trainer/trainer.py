@@ -58,6 +58,7 @@ from stalwart.ckpt import (
     load,
     read_manifest,
 )
+from stalwart.ckpt.storage import set_aside
 from stalwart.trainer.agent_client import AgentClient
 from stalwart.trainer.batching import DataPosition, GlobalBatchSampler, StepBatch, accumulation_steps
 from stalwart.trainer.errors import IncompatibleCheckpoint, StepOutOfOrder, UnsupportedConfig
@@ -342,6 +343,13 @@ class Trainer:
             raise mismatch
         for step, reason in result.skipped:
             log.warning("rank %d: skipped checkpoint step %d: %s", self.rank, step, reason)
+        if result.skipped:
+            # The re-run after this fall-back saves those steps again: free their numbers first.
+            if self.rank == 0:
+                for step, _ in result.skipped:
+                    set_aside(root, step)
+            if dist.is_initialized():
+                dist.barrier()
         self.state.apply_loaded(staged)
         meta = result.metadata[0]["trainer"]
         self._check_data(meta, result.step)

@@ -104,3 +104,16 @@ def test_unfinished_saves_are_garbage_but_never_loaded(tmp_path):
     assert report.garbage_removed == [4]
     assert _steps(root) == [1, 3]
     assert not [n for n in os.listdir(root) if n.startswith(".trash")]
+
+
+def test_a_refused_checkpoint_set_aside_frees_its_step(tmp_path):
+    from stalwart.ckpt.storage import set_aside
+
+    root = str(tmp_path)
+    _save_steps(root, [1, 2])
+    moved = set_aside(root, 2)  # as the trainer does after the loader skipped it
+    assert moved is not None and os.path.basename(moved).startswith("corrupt-step-")
+    assert _steps(root) == [1]
+    _save_steps(root, [2])  # the re-run saves step 2 again
+    assert _steps(root) == [1, 2] and verify(root, 2).ok
+    assert set_aside(root, 9) is None
