@@ -32,6 +32,7 @@ class Finding:
     severity: Severity
     code: str  # "xid-79", "ecc-dbe", "gpu-lost", "retired-pages-pending", ...
     detail: str = ""
+    round: int = 0  # worker and stall findings: the round whose workers failed
 
 
 # Xid codes from NVIDIA's Xid catalogue that mean the GPU's state is lost or its memory can no

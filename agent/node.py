@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 
 import grpc
+import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stalwart.agent.config import AgentConfig
@@ -188,6 +189,8 @@ class NodeAgent:
                     record.number == current.number and (current.closed or not record.closed))):
                 return  # old news; the one change a round number can see is being closed
         mine = [m for m in record.members if m.node_id == self.config.node_id]
+        with self._lock:
+            self._state.worker_findings = []  # they were about the round that just ended
         self._stop_workers(f"round {record.number} {'closed: ' + record.reason if record.closed else 'opened'}")
         with self._lock:
             self._state.round = record
@@ -239,7 +242,7 @@ class NodeAgent:
             self.metrics.faults.labels(self.config.node_id, f"worker-{exit_.kind.value}").inc()
             self._state.worker_findings.append(Finding("worker", exit_.local_rank, Severity.OK,
                                                        f"worker-{exit_.kind.value}",
-                                                       f"rank {exit_.rank}: {exit_.reason}"))
+                                                       f"rank {exit_.rank}: {exit_.reason}", exit_.round))
         self._publish_health(force=True)
 
     # -- monitor: health, stalls, peers, progress ----------------------------------------------------
@@ -254,9 +257,15 @@ class NodeAgent:
                           extra={"node": self.config.node_id, "rank": stall.rank})
                 self.metrics.stalls.labels(self.config.node_id).inc()
                 with self._lock:
+                    group = self._state.group
+                    stopped = group is not None and _stopped(group, stall.rank)
+                    # A stopped process is this node's fault; a running one is most likely waiting
+                    # in a collective for a peer that stalled, so it is not blamed.
                     self._state.worker_findings.append(Finding(
-                        "stall", stall.rank, Severity.OK, "stall",
-                        f"rank {stall.rank}: no step for {stall.silent_for:.1f} s (timeout {stall.timeout:.1f} s)"))
+                        "stall", stall.rank, Severity.OK, "stall" if stopped else "stall-waiting",
+                        f"rank {stall.rank}: no step for {stall.silent_for:.1f} s (timeout {stall.timeout:.1f} s)"
+                        + ("" if stopped else ", process running"),
+                        group.assignment.round if group is not None else 0))
             if now >= next_peers:
                 self._probe_peers()
                 next_peers = now + self.config.peer_probe_interval
@@ -276,14 +285,10 @@ class NodeAgent:
         found = self.findings()
         with self._lock:
             unreachable = list(self._state.unreachable)
-            number = self._state.round.number if self._state.round else 0
-        # Worker and stall findings belong to the current round (they are cleared when one opens):
-        # the round number tells the daemon which round they broke.
         return records_pb2.HealthRecord(
             node_id=self.config.node_id, state=health_state(int(verdict(found))), unreachable_peers=unreachable,
             findings=[records_pb2.Finding(source=f.source, device=max(f.device, 0), state=health_state(int(f.severity)),
-                                          code=f.code, detail=f.detail,
-                                          round=number if f.source in ("worker", "stall") else 0) for f in found],
+                                          code=f.code, detail=f.detail, round=f.round) for f in found],
         )
 
     def _publish_health(self, force: bool = False) -> None:
@@ -440,6 +445,17 @@ class NodeAgent:
         if group is None or not 0 <= device < len(group.workers) or not group.signal(device, sig):
             raise FaultRefused(f"no running worker with local rank {device}")
         return f"sent {sig.name} to local rank {device}"
+
+
+def _stopped(group: WorkerGroup, rank: int) -> bool:
+    """Is this rank's process stopped (SIGSTOP, a debugger), rather than blocked or busy?"""
+    for w in group.workers:
+        if w.rank == rank and w.running:
+            try:
+                return bool(psutil.Process(w.pid).status() == psutil.STATUS_STOPPED)
+            except psutil.NoSuchProcess:
+                return False
+    return False
 
 
 def _read(path: str | None) -> bytes | None:

@@ -42,6 +42,7 @@ class WorkerExit:
     kind: ExitKind
     reason: str
     at: float
+    round: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,8 @@ class WorkerGroup:
     def _wait(self, worker: Worker) -> None:
         returncode = worker.proc.wait()
         kind, reason = classify(returncode, worker.stopping, self._oom_before)
-        worker.exit = WorkerExit(worker.local_rank, worker.rank, worker.pid, returncode, kind, reason, time.time())
+        worker.exit = WorkerExit(worker.local_rank, worker.rank, worker.pid, returncode, kind, reason, time.time(),
+                                 self.assignment.round)
         level = logging.INFO if kind in (ExitKind.SUCCESS, ExitKind.STOPPED) else logging.ERROR
         log.log(level, "round %d: rank %d (pid %d) exited: %s", self.assignment.round, worker.rank, worker.pid,
                 reason, extra={"round": self.assignment.round, "rank": worker.rank})

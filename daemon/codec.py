@@ -119,7 +119,9 @@ def decode_health(node_id: str, value: bytes) -> tuple[Health | None, str, froze
     return _HEALTH.get(rec.state), detail, frozenset(rec.unreachable_peers)
 
 
-# Worker findings that mean this node caused its round to fail, rather than suffering a peer's.
+# Worker findings that mean this node caused its round to fail, rather than suffering a peer's
+# ("worker-user-error": an error exit, usually a collective broken by a peer; "stall-waiting": a
+# running process stuck, usually waiting in a collective for a peer that stalled).
 BLAMED_WORKER_CODES = frozenset({"worker-signal", "worker-oom-killed", "stall"})
 
 

@@ -1,0 +1,350 @@
+"""``stalwart chaos run``: bring a cluster up, train, inject the scenario's faults, check, report.
+
+The runner only observes from outside, as an operator would: the round key in etcd, the leader
+key, the agents' gRPC status, and the trainer's step record (rank 0 writes one JSON line per
+step, restore and commit). From those it times each fault's detection and the first step after
+it, and checks what must hold after any fault: the job reaches its last step, every sample is
+used exactly once in committed progress, the losses match a fault-free run, and no checkpoint
+that was corrupted on purpose was ever loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from stalwart.chaos.cluster import LocalCluster
+from stalwart.chaos.report import FaultRecord, RoundChange, RunReport, Sample
+from stalwart.chaos.scenario import FaultSpec, Scenario
+from stalwart.proto import agent_pb2
+
+log = logging.getLogger(__name__)
+LOSS_RTOL = 1e-4  # a different world size sums the same samples in another order
+RECOVER_AFTER = 4.0  # seconds until a killed agent, daemon or etcd member is started again
+
+
+@dataclass
+class _Active:
+    spec: FaultSpec
+    record: FaultRecord
+    round_before: int
+    leader_before: str | None
+    undo_at: float | None = None
+    undo: Callable[[], None] | None = None
+
+
+class Runner:
+    def __init__(self, scenario: Scenario, workdir: Path, *, progress: Callable[[str], None] = print,
+                 timeout: float = 600.0, reference: bool = True) -> None:
+        self.scenario = scenario
+        self.workdir = workdir
+        self.progress = progress
+        self.timeout = timeout
+        self.reference = reference
+        self.rng = random.Random(scenario.seed)
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> RunReport:
+        ref_losses: dict[int, float] = {}
+        if self.reference:
+            self.progress("reference run without faults ...")
+            ref = _Run(replace(self.scenario, faults=(), random=None), self.workdir / "reference", self.rng,
+                       lambda line: None, self.timeout).execute()
+            ref_losses = ref.losses
+            self.progress(f"reference: {len(ref_losses)} steps in {ref.report.wall_s:.1f} s")
+        run = _Run(self.scenario, self.workdir / "run", self.rng, self.progress, self.timeout)
+        result = run.execute()
+        report = result.report
+        if self.reference:
+            report.checks["losses match the fault-free run"] = _losses_match(result.losses, ref_losses, report)
+        return report
+
+
+@dataclass
+class _Result:
+    report: RunReport
+    losses: dict[int, float]
+
+
+class _Run:
+    def __init__(self, scenario: Scenario, workdir: Path, rng: random.Random, progress: Callable[[str], None],
+                 timeout: float) -> None:
+        self.s = scenario
+        self.workdir = workdir
+        self.rng = rng
+        self.progress = progress
+        self.timeout = timeout
+        shutil.rmtree(workdir, ignore_errors=True)
+        self.cluster = LocalCluster(scenario, workdir)
+        self.t0 = 0.0
+        self.events: list[dict[str, object]] = []
+        self._offset = 0
+        self.rounds: list[RoundChange] = []
+        self.faults: list[_Active] = []
+        self.corrupted: set[int] = set()
+        self.notes: list[str] = []
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def execute(self) -> _Result:
+        pending = sorted([*self.s.faults, *self.s.random_faults()],
+                         key=lambda f: (f.at_step if f.at_step is not None else math.inf, f.at_time or 0.0))
+        self.t0 = time.time()
+        try:
+            self.cluster.start()
+            last_line = 0.0
+            while self.now() < self.timeout:
+                self._read_record()
+                self._watch_round()
+                step = self._last_step()
+                for spec in [f for f in pending if self._due(f, step)]:
+                    pending.remove(spec)
+                    self._inject(spec)
+                self._follow_faults()
+                if self.now() - last_line >= 1.0:
+                    last_line = self.now()
+                    self.progress(self._status_line(step))
+                if self._finished() and not pending and all(a.undo is None for a in self.faults):
+                    break
+                time.sleep(0.1)
+            else:
+                self.notes.append(f"timed out after {self.timeout:g} s")
+        finally:
+            self.cluster.stop()
+        return self._result()
+
+    # -- observing -------------------------------------------------------------------------------
+
+    def _read_record(self) -> None:
+        path = self.cluster.steps_log
+        if not path.exists():
+            return
+        with open(path) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self._offset += len(complete.encode())
+        for line in complete.splitlines():
+            try:
+                self.events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+
+    def _steps(self) -> list[dict[str, object]]:
+        return [e for e in self.events if e.get("event") == "step"]
+
+    def _last_step(self) -> int:
+        steps = self._steps()
+        return int(steps[-1]["step"]) if steps else 0  # type: ignore[call-overload]
+
+    def _finished(self) -> bool:
+        return any(e.get("event") == "commit" and e.get("step") == self.s.job.steps for e in self.events)
+
+    def _watch_round(self) -> None:
+        try:
+            rnd = self.cluster.round()
+        except Exception:  # etcd between members: next time
+            return
+        if rnd is None:
+            return
+        world = 0 if rnd.closed else len(rnd.members)
+        if not self.rounds or (self.rounds[-1].number, self.rounds[-1].world_size) != (rnd.number, world):
+            self.rounds.append(RoundChange(self.now(), int(rnd.number), world, rnd.reason))
+            self.progress(f"  round {rnd.number}: {world} nodes ({rnd.reason})")
+
+    def _status_line(self, step: int) -> str:
+        r = self.rounds[-1] if self.rounds else None
+        nodes = []
+        for node, proc in self.cluster.agents.items():
+            nodes.append(f"{node}:{'in' if r and node in self.cluster.members() else 'out'}"
+                         f"{'' if proc.alive else '(down)'}")
+        head = f"[{self.now():6.1f}s] round {r.number if r else '-'} world {r.world_size if r else 0}"
+        return f"{head} step {step}/{self.s.job.steps} | {' '.join(nodes)}"
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def _due(self, spec: FaultSpec, step: int) -> bool:
+        if spec.at_step is not None:
+            return step >= spec.at_step
+        return self.now() >= (spec.at_time or 0.0)
+
+    def _target(self, spec: FaultSpec) -> str:
+        if spec.node is not None:
+            return spec.node
+        members = self.cluster.members() or self.s.node_names()
+        return self.rng.choice(members)
+
+    def _inject(self, spec: FaultSpec) -> None:
+        rnd = self.rounds[-1].number if self.rounds else 0
+        target = self._target(spec)
+        active = _Active(spec, FaultRecord(spec.kind, target, self.now()), rnd, self.cluster.leader())
+        try:
+            detail = self._apply(active, target)
+        except Exception as exc:  # the fault could not be applied: say so in the report
+            detail = f"not applied: {exc}"
+            active.record.detail = detail
+            self.notes.append(f"{spec.kind} on {target} at {active.record.injected_at:.1f} s: {detail}")
+            active.record.detected_at = active.record.resumed_at = None
+            self.progress(f"! {spec.kind} on {target}: {detail}")
+            return
+        active.record.detail = detail
+        self.faults.append(active)
+        self.progress(f"! injected {spec.kind} on {target}: {detail}")
+
+    def _apply(self, a: _Active, target: str) -> str:
+        kind, c = a.spec.kind, self.cluster
+        if kind in ("kill-worker", "hang-worker"):
+            fault = agent_pb2.FAULT_KILL_WORKER if kind == "kill-worker" else agent_pb2.FAULT_HANG_WORKER
+            reply = c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=fault, device=a.spec.rank))
+            return reply.detail  # type: ignore[attr-defined, no-any-return]
+        if kind == "gpu-fault":
+            reply = c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(
+                kind=agent_pb2.FAULT_GPU_XID, device=a.spec.rank, code=a.spec.code))
+            a.undo_at = a.record.injected_at + RECOVER_AFTER + 4
+            a.undo = lambda: c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR))
+            return reply.detail  # type: ignore[attr-defined, no-any-return]
+        if kind == "kill-agent":
+            c.kill_agent(target)
+            a.undo_at, a.undo = a.record.injected_at + RECOVER_AFTER, lambda: c.start_agent(target)
+            return "agent SIGKILLed (its workers die with it); restarted later"
+        if kind == "kill-daemon":
+            leader = c.leader()
+            if leader is None:
+                raise RuntimeError("no daemon leads")
+            c.kill_daemon(leader)
+            a.record.target = leader
+            a.undo_at, a.undo = a.record.injected_at + RECOVER_AFTER, lambda: c.start_daemon(leader)
+            return f"leader {leader} SIGKILLed; restarted later as a standby"
+        if kind == "kill-etcd":
+            index = self.rng.randrange(len(c.etcd.members))
+            c.etcd.kill(index)
+            a.record.target = c.etcd.members[index].name
+            a.undo_at, a.undo = a.record.injected_at + RECOVER_AFTER, lambda: c.etcd.restart(index)
+            return f"etcd member {a.record.target} SIGKILLed; restarted later"
+        if kind == "corrupt-checkpoint":
+            step = self._corrupt_newest()
+            # Corruption shows only when a checkpoint is loaded: force a restore by killing a worker.
+            c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=agent_pb2.FAULT_KILL_WORKER, device=0))
+            return f"flipped a byte in checkpoint {step}, then killed a worker to force a restore"
+        raise RuntimeError(f"the {kind} injector needs root and network namespaces; not available in this runner")
+
+    def _corrupt_newest(self) -> int:
+        root = self.cluster.ckpt_dir
+        committed = sorted(d for d in root.glob("step-*") if (d / "manifest.json").exists())
+        if not committed:
+            raise RuntimeError("no committed checkpoint yet")
+        newest = committed[-1]
+        shard = max(newest.glob("rank-*.bin"), key=lambda p: p.stat().st_size)
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x40]))
+        step = int(newest.name.split("-")[-1])
+        self.corrupted.add(step)
+        return step
+
+    def _follow_faults(self) -> None:
+        now = self.now()
+        current = self.rounds[-1] if self.rounds else None
+        for a in self.faults:
+            r = a.record
+            if a.undo is not None and a.undo_at is not None and now >= a.undo_at:
+                undo, a.undo = a.undo, None
+                try:
+                    undo()
+                except Exception as exc:
+                    self.notes.append(f"could not undo {r.kind} on {r.target}: {exc}")
+            if r.detected_at is None:
+                if r.kind == "kill-daemon":
+                    leader = self.cluster.leader()
+                    if leader is not None and leader != a.leader_before:
+                        r.detected_at = now
+                elif r.kind == "kill-etcd":
+                    r.detected_at = r.injected_at  # nothing to detect: clients fail over
+                elif current is not None and current.number > a.round_before:
+                    r.detected_at = next(x.t for x in self.rounds if x.number > a.round_before)
+            if r.detected_at is not None and r.resumed_at is None:
+                after = [float(e["t"]) - self.t0 for e in self._steps()  # type: ignore[arg-type]
+                         if float(e["t"]) - self.t0 > r.detected_at]  # type: ignore[arg-type]
+                if after:
+                    r.resumed_at = min(after)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def _result(self) -> _Result:
+        from stalwart.trainer.record import committed_steps  # the record's format is the trainer's
+
+        wall = self.now()
+        committed = committed_steps(self.events)
+        samples = [Sample(float(e["t"]) - self.t0, int(e["step"]), int(e["world_size"]),  # type: ignore[arg-type]
+                          loss=float(e["loss"])) for e in self._steps()]  # type: ignore[arg-type]
+        _label_rounds(samples, self.rounds)
+        last_commit = max((int(e["step"]) for e in self.events if e.get("event") == "commit"),  # type: ignore[call-overload]
+                          default=0)
+        lost, corrupt_loads = self._losses_of_restores()
+        used = [i for ev in committed.values() for i in ev.get("samples", [])]  # type: ignore[union-attr]
+        expected = self.s.job.steps * self.s.job.global_batch
+        report = RunReport(
+            scenario=self.s.name, wall_s=wall, target_steps=self.s.job.steps, samples=samples,
+            faults=[a.record for a in self.faults], rounds=self.rounds, final_committed_step=last_commit,
+            lost_committed_steps=lost, corrupt_loads=corrupt_loads, notes=self.notes,
+        )
+        report.checks["reached the last step"] = self._finished()
+        report.checks["every sample used exactly once"] = (
+            len(used) == len(set(used)) and (len(used) == expected or not self._finished())
+            and sorted(committed) == list(range(1, len(committed) + 1)))
+        report.checks["no corrupt checkpoint loaded"] = corrupt_loads == 0
+        report.checks["no committed step lost"] = lost == 0
+        report.checks["every fault detected"] = all(a.record.detected_at is not None for a in self.faults)
+        report.checks["resumed after every fault"] = all(a.record.resumed_at is not None for a in self.faults)
+        losses = {k: float(v["loss"]) for k, v in committed.items()}  # type: ignore[arg-type]
+        return _Result(report, losses)
+
+    def _losses_of_restores(self) -> tuple[int, int]:
+        """Committed steps lost by restores (beyond the checkpoints corrupted on purpose), and
+        restores that loaded a corrupted checkpoint."""
+        lost = corrupt = 0
+        commits: set[int] = set()
+        for e in self.events:
+            if e.get("event") == "commit":
+                commits.add(int(e["step"]))  # type: ignore[call-overload]
+            elif e.get("event") == "restore":
+                step = int(e["step"])  # type: ignore[call-overload]
+                if step in self.corrupted:
+                    corrupt += 1
+                good = [c for c in commits if c not in self.corrupted]
+                if good and max(good) > step:
+                    lost += max(good) - step
+        return lost, corrupt
+
+
+def _label_rounds(samples: list[Sample], rounds: list[RoundChange]) -> None:
+    for i, s in enumerate(samples):
+        number = 0
+        for r in rounds:
+            if r.t <= s.t:
+                number = r.number
+        samples[i] = Sample(s.t, s.step, s.world, number, s.loss)
+
+
+def _losses_match(losses: dict[int, float], reference: dict[int, float], report: RunReport) -> bool:
+    worst = 0.0
+    for step, loss in losses.items():
+        ref = reference.get(step)
+        if ref is None:
+            report.notes.append(f"step {step} has no reference loss")
+            return False
+        worst = max(worst, abs(loss - ref) / max(abs(ref), 1e-12))
+    report.notes.append(f"largest relative loss difference from the fault-free run: {worst:.2e}")
+    return worst <= LOSS_RTOL

@@ -1,0 +1,77 @@
+"""``stalwart chaos run SCENARIO`` and ``stalwart demo``: a local cluster, training, faults, a report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "chaos" / "scenarios"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    chaos = sub.add_parser("chaos", help="fault injection against a real local run")
+    csub = chaos.add_subparsers(dest="chaos_command", metavar="COMMAND", required=True)
+    run = csub.add_parser("run", help="run a scenario file and write its report")
+    run.add_argument("scenario", help=f"scenario file (TOML), or a name from {SCENARIOS.name}/")
+    _common(run)
+    run.set_defaults(func=run_scenario)
+    demo = sub.add_parser("demo", help="the default chaos scenario on this machine, with a report")
+    _common(demo)
+    demo.set_defaults(func=run_demo, scenario="default")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="report directory (default: a new temporary directory)")
+    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    p.add_argument("--no-reference", action="store_true", help="skip the fault-free reference run")
+
+
+def _resolve(name: str) -> Path:
+    path = Path(name)
+    if path.exists():
+        return path
+    shipped = SCENARIOS / f"{name}.toml"
+    if shipped.exists():
+        return shipped
+    shipped_names = sorted(p.stem for p in SCENARIOS.glob("*.toml"))
+    raise SystemExit(f"stalwart chaos: no scenario {name!r} (not a file, and not one of {shipped_names})")
+
+
+def run_scenario(args: argparse.Namespace) -> int:
+    from stalwart.chaos import report as report_mod
+    from stalwart.chaos.runner import Runner
+    from stalwart.chaos.scenario import ScenarioError, load
+
+    try:
+        scenario = load(_resolve(args.scenario))
+    except ScenarioError as exc:
+        print(f"stalwart chaos: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix=f"stalwart-chaos-{scenario.name}-"))
+    print(f"scenario {scenario.name}: {scenario.cluster.nodes} nodes x {scenario.cluster.workers_per_node} workers, "
+          f"{scenario.cluster.etcd_members} etcd members, {scenario.cluster.daemons} daemons, "
+          f"{scenario.job.steps} steps, {len(scenario.faults)} faults; working in {out}", flush=True)
+    runner = Runner(scenario, out / "work", progress=lambda line: print(line, flush=True), timeout=args.timeout,
+                    reference=not args.no_reference)
+    report = runner.run()
+    paths = report_mod.write(report, out)
+    print()
+    print(f"{'fault':<20} {'target':<8} {'detected after s':>17} {'resumed after s':>16}")
+    for f in report.faults:
+        det = "-" if f.detection_s is None else f"{f.detection_s:.2f}"
+        res = "-" if f.recovery_s is None else f"{f.recovery_s:.2f}"
+        print(f"{f.kind:<20} {f.target:<8} {det:>17} {res:>16}")
+    print()
+    for name, ok in report.checks.items():
+        print(f"  [{'ok' if ok else 'FAILED'}] {name}")
+    for note in report.notes:
+        print(f"  note: {note}")
+    print(f"\nresult: {'PASSED' if report.passed else 'FAILED'} in {report.wall_s:.0f} s, goodput {report.goodput:.0%}")
+    print(f"report: {paths['markdown']}\npicture: {paths['picture']}")
+    return 0 if report.passed else 1
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    return run_scenario(args)
