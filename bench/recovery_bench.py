@@ -27,12 +27,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import psutil
-
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "elastic_gloo.py"
 sys.path.insert(0, str(REPO))
 
+from stalwart.chaos.cluster import kill_tree  # noqa: E402
 from stalwart.coord.local import LocalEtcd, free_port  # noqa: E402
 
 TIMING = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,join_timeout=120"
@@ -58,24 +57,6 @@ class Trial:
     recovered: bool
     seconds: float | None  # kill -> first step at world size 2
     detail: str
-
-
-def kill_tree(pid: int) -> None:
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.suspend()
-        except psutil.NoSuchProcess:
-            pass
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
 
 
 def rows(log: Path) -> list[dict[str, float]]:

@@ -38,21 +38,6 @@ def kill_tree(pid: int) -> None:
     torchrun starts its workers in sessions of their own, so killing torchrun's process group
     alone leaves the workers running.
     """
-    import psutil
+    from stalwart.chaos.cluster import kill_tree as kill
 
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    procs = [root, *root.children(recursive=True)]
-    for p in procs:
-        try:
-            p.suspend()  # freeze first, so no child can spawn or react while we kill
-        except psutil.NoSuchProcess:
-            pass
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
+    kill(pid)
