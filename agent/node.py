@@ -84,6 +84,7 @@ class NodeAgent:
         self.port = 0
         self.metrics_port = 0
         self.metrics = AgentMetrics(config.node_id)
+        self._drop_peers = threading.Event()  # fault injection: as if this node's links were cut
         self._health_service = health.HealthServicer()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -112,6 +113,7 @@ class NodeAgent:
         self._watch = Watch(self.client, self.keys.round, (kv.mod_revision + 1) if kv else 0)
         threading.Thread(target=self._follow_rounds, daemon=True, name="agent-rounds").start()
         threading.Thread(target=self._monitor, daemon=True, name="agent-monitor").start()
+        threading.Thread(target=self._peer_loop, daemon=True, name="agent-peers").start()
         for service in ("", "stalwart.v1.Agent"):
             self._health_service.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("agent %s up: service %s, progress socket %s", self.config.node_id, self.address,
@@ -247,8 +249,12 @@ class NodeAgent:
 
     # -- monitor: health, stalls, peers, progress ----------------------------------------------------
 
+    def _peer_loop(self) -> None:
+        """Peer probes on a thread of their own: a slow peer must not delay stall detection."""
+        while not self._stop.wait(self.config.peer_probe_interval):
+            self._probe_peers()
+
     def _monitor(self) -> None:
-        next_peers = 0.0
         while not self._stop.wait(min(0.25, self.config.probe_interval)):
             now = time.monotonic()
             for stall in self.stalls.check(now):
@@ -266,9 +272,6 @@ class NodeAgent:
                         f"rank {stall.rank}: no step for {stall.silent_for:.1f} s (timeout {stall.timeout:.1f} s)"
                         + ("" if stopped else ", process running"),
                         group.assignment.round if group is not None else 0))
-            if now >= next_peers:
-                self._probe_peers()
-                next_peers = now + self.config.peer_probe_interval
             try:
                 self._publish_health()
                 self._publish_progress()
@@ -329,6 +332,8 @@ class NodeAgent:
             self._state.unreachable = unreachable
 
     def _ping(self, address: str) -> bool:
+        if self._drop_peers.is_set():
+            return False
         if self.config.insecure:
             channel = grpc.insecure_channel(address)
         else:
@@ -336,7 +341,7 @@ class NodeAgent:
                                                  _read(self.config.tls.cert_file))
             channel = grpc.secure_channel(address, creds)
         try:
-            agent_pb2_grpc.AgentStub(channel).Ping(agent_pb2.PingRequest(from_node=self.config.node_id), timeout=1.0)
+            agent_pb2_grpc.AgentStub(channel).Ping(agent_pb2.PingRequest(from_node=self.config.node_id), timeout=2.0)
             return True
         except grpc.RpcError:
             return False
@@ -347,6 +352,9 @@ class NodeAgent:
 
     def node_id(self) -> str:
         return self.config.node_id
+
+    def dropping_peers(self) -> bool:
+        return self._drop_peers.is_set()
 
     def round_number(self) -> int:
         with self._lock:
@@ -421,8 +429,16 @@ class NodeAgent:
     def inject_fault(self, kind: str, device: int, code: int) -> str:
         if not self.config.fault_injection:
             raise FaultRefused("fault injection is disabled in this agent's configuration (fault_injection = false)")
+        if kind == "drop-peers":
+            self._drop_peers.set()
+            self.metrics.faults.labels(self.config.node_id, "injected-drop-peers").inc()
+            return "dropping peer traffic: not answering peers' probes, not reaching them"
+        if kind == "clear":
+            self._drop_peers.clear()
         if kind in ("gpu-xid", "gpu-ecc-dbe", "gpu-lost", "clear"):
             if not isinstance(self.probe, FakeProbe):
+                if kind == "clear":
+                    return "cleared injected faults"
                 raise FaultRefused(f"GPU faults can only be injected with the fake probe, not {self.probe.name}")
             if kind == "clear":
                 self.probe.clear()

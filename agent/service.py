@@ -55,6 +55,8 @@ class AgentCore(Protocol):
 
     def node_id(self) -> str: ...
 
+    def dropping_peers(self) -> bool: ...
+
 
 _FAULTS = {
     agent_pb2.FAULT_GPU_XID: "gpu-xid",
@@ -63,6 +65,7 @@ _FAULTS = {
     agent_pb2.FAULT_KILL_WORKER: "kill-worker",
     agent_pb2.FAULT_HANG_WORKER: "hang-worker",
     agent_pb2.FAULT_CLEAR: "clear",
+    agent_pb2.FAULT_DROP_PEERS: "drop-peers",
 }
 
 
@@ -88,6 +91,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         return agent_pb2.FaultReply(applied=True, detail=detail)
 
     def Ping(self, request: agent_pb2.PingRequest, context: grpc.ServicerContext) -> agent_pb2.PingReply:
+        if self._core.dropping_peers():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "peer traffic dropped (fault injection)")
         return agent_pb2.PingReply(node_id=self._core.node_id(), round=self._core.round_number())
 
 

@@ -26,6 +26,7 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_KILL_WORKER: _ClassVar[FaultKind]
     FAULT_HANG_WORKER: _ClassVar[FaultKind]
     FAULT_CLEAR: _ClassVar[FaultKind]
+    FAULT_DROP_PEERS: _ClassVar[FaultKind]
 WORKER_UNKNOWN: WorkerState
 WORKER_STARTING: WorkerState
 WORKER_RUNNING: WorkerState
@@ -39,6 +40,7 @@ FAULT_GPU_LOST: FaultKind
 FAULT_KILL_WORKER: FaultKind
 FAULT_HANG_WORKER: FaultKind
 FAULT_CLEAR: FaultKind
+FAULT_DROP_PEERS: FaultKind
 
 class StatusRequest(_message.Message):
     __slots__ = ()

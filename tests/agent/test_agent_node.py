@@ -272,3 +272,20 @@ def test_closed_round_stops_the_workers(etcd_server: LocalEtcd, etcd_client: Etc
     etcd_client.put(keys.round, record.SerializeToString())
     _wait(lambda: _running_steps(agent) == [], 10, "workers stopped")
     assert agent.status().round == 4
+
+
+def test_injected_peer_traffic_drop_shows_in_both_directions(etcd_server: LocalEtcd, etcd_client: EtcdClient,
+                                                             tmp_path: Path, start_agent) -> None:
+    job = f"drop-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    a = start_agent(_config(etcd_server, tmp_path / "a", job))
+    b = start_agent(_config(etcd_server, tmp_path / "b", job, node_id="n1"))
+    _open_round(etcd_client, keys, 1, [("n0", a.address), ("n1", b.address)])
+    _stub(b).InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_DROP_PEERS), timeout=5)
+    for node, peer in (("n0", "n1"), ("n1", "n0")):
+        _wait(lambda node=node, peer=peer: list((_health(etcd_client, keys, node) or records_pb2.HealthRecord())
+                                                .unreachable_peers) == [peer], 10, f"{node} not reaching {peer}")
+    _stub(b).InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR), timeout=5)
+    for node in ("n0", "n1"):
+        _wait(lambda node=node: not (_health(etcd_client, keys, node) or records_pb2.HealthRecord())
+              .unreachable_peers, 10, f"{node} reaching its peer again")

@@ -20,11 +20,13 @@ def test_example_agent_config_loads() -> None:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
-def test_agent_unit_verifies(tmp_path: Path) -> None:
-    unit = (DEPLOY / "stalwart-agent.service").read_text()
-    assert "Type=notify" in unit and "WatchdogSec=" in unit and "Restart=" in unit and "User=" in unit
+@pytest.mark.parametrize("unit", ["stalwart-agent.service", "stalwart-daemon.service"])
+def test_units_verify(tmp_path: Path, unit: str) -> None:
+    text = (DEPLOY / unit).read_text()
+    for needed in ("Type=notify", "WatchdogSec=", "Restart=", "User=", "LimitNOFILE="):
+        assert needed in text, f"{unit} lacks {needed}"
     # verify checks that ExecStart's program exists: point it at this installation's
-    local = tmp_path / "stalwart-agent.service"
-    local.write_text(unit.replace("/usr/local/bin/stalwart", str(Path(sys.executable).with_name("stalwart"))))
+    local = tmp_path / unit
+    local.write_text(text.replace("/usr/local/bin/stalwart", str(Path(sys.executable).with_name("stalwart"))))
     out = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
