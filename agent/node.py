@@ -167,17 +167,33 @@ class NodeAgent:
     # -- rounds --------------------------------------------------------------------------------
 
     def _follow_rounds(self) -> None:
-        assert self._watch is not None
         while not self._stop.is_set():
+            watch = self._watch
+            assert watch is not None
             try:
-                events = self._watch.get(timeout=1.0)
+                events = watch.get(timeout=1.0)
             except CoordError as exc:
+                # The watch ended (history compacted, permissions): read the round again and watch
+                # from there; applying a round twice is harmless.
                 log.error("agent %s: round watch failed (%s); re-reading", self.config.node_id, exc)
-                time.sleep(1)
+                watch.close()
+                self._watch = self._rewatch()
                 continue
             for ev in events:
                 if ev.type is EventType.PUT:
                     self._commands.put(("round", ev.value))
+
+    def _rewatch(self) -> Watch:
+        while not self._stop.is_set():
+            try:
+                kv = self.client.get(self.keys.round)
+                if kv is not None:
+                    self._commands.put(("round", kv.value))
+                return Watch(self.client, self.keys.round, (kv.mod_revision + 1) if kv else 0)
+            except CoordError as exc:
+                log.error("agent %s: cannot read the round: %s", self.config.node_id, exc)
+                self._stop.wait(1.0)
+        return Watch(self.client, self.keys.round, 0)
 
     def _apply_round(self, raw: bytes) -> None:
         try:

@@ -62,7 +62,9 @@ def test_watch_survives_restart_in_the_middle_of_a_stream(make_etcd: Callable[..
     assert revisions == sorted(set(revisions))
 
 
-def test_watch_from_a_compacted_revision_raises(etcd_client: EtcdClient, key_prefix: str) -> None:
+def test_watch_from_a_compacted_revision_raises(make_etcd: Callable[..., LocalEtcd], key_prefix: str) -> None:
+    # A private etcd: compaction is cluster-wide and would break other tests' watches.
+    etcd_client = EtcdClient(make_etcd(1).client_config())
     first = etcd_client.put(key_prefix + "a", b"1")
     last = etcd_client.put(key_prefix + "a", b"2")
     etcd_client.put(key_prefix + "a", b"3")
@@ -71,6 +73,7 @@ def test_watch_from_a_compacted_revision_raises(etcd_client: EtcdClient, key_pre
         with pytest.raises(CompactedError) as info:
             watch.get(timeout=5)
     assert info.value.compact_revision >= last
+    etcd_client.close()
 
 
 def test_watch_sees_deletes_and_lease_expiry(etcd_client: EtcdClient, key_prefix: str) -> None:
