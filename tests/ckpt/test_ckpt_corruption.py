@@ -12,8 +12,8 @@ import xxhash
 from ckpt_testlib import SPECS, check_targets, rank_state, rank_targets, run_ranks
 
 from stalwart.ckpt import (
-    Checkpointer,
     CheckpointCorrupt,
+    Checkpointer,
     CheckpointError,
     CheckpointNotFound,
     CodecPolicy,
