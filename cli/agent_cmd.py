@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    systemd.notify(f"READY=1\nSTATUS=agent {config.node_id} serving on {agent.address}")
+    systemd.notify("READY=1", f"STATUS=agent {config.node_id} serving on {agent.address}")
     systemd.start_watchdog(lambda: not stop.is_set(), stop)
     agent.run()
     systemd.notify("STOPPING=1")
