@@ -50,10 +50,10 @@ def run_scenario(args: argparse.Namespace) -> int:
         print(f"stalwart chaos: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix=f"stalwart-chaos-{scenario.name}-"))
+    faults = len(scenario.faults) + len(scenario.random_faults())
     print(f"scenario {scenario.name}: {scenario.cluster.nodes} nodes x {scenario.cluster.workers_per_node} workers, "
           f"{scenario.cluster.etcd_members} etcd members, {scenario.cluster.daemons} daemons, "
-          f"{scenario.job.steps} steps, {len(scenario.faults) + len(scenario.random_faults())} faults; working in {out}",
-          flush=True)
+          f"{scenario.job.steps} steps, {faults} faults; working in {out}", flush=True)
     runner = Runner(scenario, out / "work", progress=lambda line: print(line, flush=True), timeout=args.timeout,
                     reference=not args.no_reference)
     report = runner.run()
