@@ -240,9 +240,10 @@ class _Run:
 
     def _corrupt_newest(self) -> int:
         root = self.cluster.ckpt_dir
-        committed = sorted(d for d in root.glob("step-*") if (d / "manifest.json").exists())
+        committed = sorted(d for d in root.glob("step-*") if (d / "manifest.json").exists()
+                           and int(d.name.split("-")[-1]) not in self.corrupted)  # a second flip would undo the first
         if not committed:
-            raise RuntimeError("no committed checkpoint yet")
+            raise RuntimeError("no committed checkpoint that is not corrupted already")
         newest = committed[-1]
         shard = max(newest.glob("rank-*.bin"), key=lambda p: p.stat().st_size)
         with open(shard, "r+b") as f:
