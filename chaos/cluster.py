@@ -23,7 +23,7 @@ import psutil
 from stalwart.chaos.scenario import Scenario
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
-from stalwart.coord.local import LocalEtcd, free_port
+from stalwart.coord.local import LocalEtcd, die_with_parent, free_port
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,9 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str]) -> Proc:
         path = self.workdir / f"{name}.log"
         with open(path, "ab") as out:
-            popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self._env, start_new_session=True)
+            # Everything dies with the runner, even if it is SIGKILLed: no cluster outlives its run.
+            popen = subprocess.Popen(die_with_parent(args), stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self._env, start_new_session=True)
         return Proc(name, popen, path)
 
     def start_daemon(self, name: str) -> None:

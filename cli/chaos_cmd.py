@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -54,6 +55,8 @@ def run_scenario(args: argparse.Namespace) -> int:
     print(f"scenario {scenario.name}: {scenario.cluster.nodes} nodes x {scenario.cluster.workers_per_node} workers, "
           f"{scenario.cluster.etcd_members} etcd members, {scenario.cluster.daemons} daemons, "
           f"{scenario.job.steps} steps, {faults} faults; working in {out}", flush=True)
+    # SIGTERM (a timeout, systemd, kill) must tear the cluster down like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     runner = Runner(scenario, out / "work", progress=lambda line: print(line, flush=True), timeout=args.timeout,
                     reference=not args.no_reference)
     report = runner.run()
@@ -72,6 +75,10 @@ def run_scenario(args: argparse.Namespace) -> int:
     print(f"\nresult: {'PASSED' if report.passed else 'FAILED'} in {report.wall_s:.0f} s, goodput {report.goodput:.0%}")
     print(f"report: {paths['markdown']}\npicture: {paths['picture']}")
     return 0 if report.passed else 1
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def run_demo(args: argparse.Namespace) -> int:
