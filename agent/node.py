@@ -107,10 +107,7 @@ class NodeAgent:
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.metrics_port)
         self._register()
-        kv = self.client.get(self.keys.round)
-        if kv is not None:
-            self._commands.put(("round", kv.value))
-        self._watch = Watch(self.client, self.keys.round, (kv.mod_revision + 1) if kv else 0)
+        self._watch = self._read_and_watch_round()
         threading.Thread(target=self._follow_rounds, daemon=True, name="agent-rounds").start()
         threading.Thread(target=self._monitor, daemon=True, name="agent-monitor").start()
         threading.Thread(target=self._peer_loop, daemon=True, name="agent-peers").start()
@@ -183,13 +180,19 @@ class NodeAgent:
                 if ev.type is EventType.PUT:
                     self._commands.put(("round", ev.value))
 
+    def _read_and_watch_round(self) -> Watch:
+        """Apply the current round, then watch from the revision it was read at: a round
+        written between the read and the watch's start is not missed."""
+        kvs, revision = self.client.get_prefix(self.keys.round)
+        for kv in kvs:
+            if kv.key == self.keys.round:
+                self._commands.put(("round", kv.value))
+        return Watch(self.client, self.keys.round, revision + 1)
+
     def _rewatch(self) -> Watch:
         while not self._stop.is_set():
             try:
-                kv = self.client.get(self.keys.round)
-                if kv is not None:
-                    self._commands.put(("round", kv.value))
-                return Watch(self.client, self.keys.round, (kv.mod_revision + 1) if kv else 0)
+                return self._read_and_watch_round()
             except CoordError as exc:
                 log.error("agent %s: cannot read the round: %s", self.config.node_id, exc)
                 self._stop.wait(1.0)
@@ -268,7 +271,10 @@ class NodeAgent:
     def _peer_loop(self) -> None:
         """Peer probes on a thread of their own: a slow peer must not delay stall detection."""
         while not self._stop.wait(self.config.peer_probe_interval):
-            self._probe_peers()
+            try:
+                self._probe_peers()
+            except Exception:  # keep probing: one bad address must not end the thread
+                log.exception("agent %s: peer probe failed", self.config.node_id)
 
     def _monitor(self) -> None:
         while not self._stop.wait(min(0.25, self.config.probe_interval)):
