@@ -513,7 +513,9 @@ class RoundMachine:
         assert rnd is not None, "_reopen needs an open round"
         skip = exclude or set()
         survivors = [m for m in rnd.members if st.nodes[m].eligible]
-        joining = sorted(st.waiting) if newcomers else []
+        # A member that lost its lease and registered again in the same batch is both a survivor
+        # and waiting: it keeps its place once.
+        joining = [n for n in sorted(st.waiting) if n not in survivors] if newcomers else []
         kept = [m for m in survivors + joining if m not in skip]
         if skip and self.policy.world_size_for(len(kept)) is None:
             left_out = sorted(skip & set(survivors))

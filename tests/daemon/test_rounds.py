@@ -662,3 +662,11 @@ def test_repeated_blamed_worker_failures_quarantine_the_node() -> None:
     assert "c" in ids(rnd)
     rnd = only_round(sim.send(WorkerFailed("c", rnd.number), dt=1))
     assert "c" not in ids(rnd) and sim.state_of("c") is NodeState.QUARANTINED
+
+
+def test_lease_lost_and_registered_again_in_one_batch_is_one_member() -> None:
+    sim = Sim(min_nodes=1, max_nodes=4, join_timeout=0.0, regrow_cooldown=0.0)
+    sim.register("n0", "n1", "n2")
+    decisions = sim.machine.handle_batch([LeaseLost("n0"), NodeRegistered("n0", "10.0.0.1", 1)], sim.now)
+    for d in rounds(decisions):
+        assert len({m.node_id for m in d.members}) == d.world_size == len(d.members)
