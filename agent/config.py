@@ -64,6 +64,9 @@ class AgentConfig:
     peer_probe_interval: float = 5.0
     metrics_port: int | None = None
     cwd: str | None = None
+    slow_worker_period: float = 0.05  # fault injection: run/stop cycle unit of FAULT_SLOW_WORKER
+    busy_window: int = 9  # steps in the recent median of each rank's busy time
+    straggler_factor: float = 1.5  # a local rank this much busier than the node's others is a straggler
 
     def __post_init__(self) -> None:
         _check(bool(self.command), "command", "must name the program each worker runs")
@@ -73,6 +76,10 @@ class AgentConfig:
                      "stall_first_step"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check(self.stall_factor >= 1, "stall_factor", f"must be >= 1, got {self.stall_factor}")
+        _check(0.001 <= self.slow_worker_period <= 10, "slow_worker_period",
+               f"must be within [0.001, 10] s, got {self.slow_worker_period}")
+        _check(self.busy_window >= 1, "busy_window", f"must be >= 1 step, got {self.busy_window}")
+        _check(self.straggler_factor > 1, "straggler_factor", f"must be > 1, got {self.straggler_factor}")
         _check(self.probe in ("nvml", "fake", "auto"), "probe", f"must be nvml, fake or auto, got {self.probe!r}")
         _check(":" in self.listen, "listen", f"must be HOST:PORT, got {self.listen!r}")
         if not self.insecure:

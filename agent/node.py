@@ -29,8 +29,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stalwart.agent.config import AgentConfig
 from stalwart.agent.health import FakeProbe, Finding, HealthProbe, Severity, make_probe, verdict
 from stalwart.agent.metrics import AgentMetrics
-from stalwart.agent.service import FaultRefused, StepEvent, health_state, start_node_server, start_progress_server
+from stalwart.agent.service import (FaultRefused, StepEvent, WorkerChannels, health_state, start_node_server,
+                                    start_progress_server)
 from stalwart.agent.stall import StallDetector, StallPolicy
+from stalwart.agent.throttle import Throttle, ThrottleSpec
 from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.errors import CoordError
@@ -86,6 +88,8 @@ class NodeAgent:
         self.metrics = AgentMetrics(config.node_id)
         self._drop_peers = threading.Event()  # fault injection: as if this node's links were cut
         self._health_service = health.HealthServicer()
+        self.channels = WorkerChannels()  # commands to connected workers, by local rank
+        self._throttles: dict[int, Throttle] = {}  # fault injection: slowed workers, by local rank
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -99,7 +103,7 @@ class NodeAgent:
         return f"{host}:{self.port}"
 
     def start(self) -> None:
-        self._servers.append(start_progress_server(self.config.socket_path, self))
+        self._servers.append(start_progress_server(self.config.socket_path, self, self.channels))
         add_health = lambda server: health_pb2_grpc.add_HealthServicer_to_server(  # noqa: E731
             self._health_service, server)
         server, self.port = start_node_server(self.config, self, extra=[add_health])
@@ -448,9 +452,15 @@ class NodeAgent:
             time.sleep(0.05)
         return False, f"workers still running after {timeout:g} s"
 
-    def inject_fault(self, kind: str, device: int, code: int) -> str:
+    def inject_fault(self, kind: str, device: int, code: int, step: int = 0, factor: float = 0.0) -> str:
         if not self.config.fault_injection:
             raise FaultRefused("fault injection is disabled in this agent's configuration (fault_injection = false)")
+        if kind in ("nan-loss", "loss-spike"):
+            return self._inject_training_fault(kind, device, step, factor)
+        if kind == "slow-worker":
+            return self._slow_worker(device, factor)
+        if kind == "clear":
+            self._clear_throttles()
         if kind == "drop-peers":
             self._drop_peers.set()
             self.metrics.faults.labels(self.config.node_id, "injected-drop-peers").inc()
@@ -483,6 +493,55 @@ class NodeAgent:
         if group is None or not 0 <= device < len(group.workers) or not group.signal(device, sig):
             raise FaultRefused(f"no running worker with local rank {device}")
         return f"sent {sig.name} to local rank {device}"
+
+    def _running_worker(self, local_rank: int) -> tuple[int, int]:
+        """(rank, pid) of the running worker of ``local_rank``; raises FaultRefused."""
+        with self._lock:
+            group = self._state.group
+            if group is None or not 0 <= local_rank < len(group.workers) or not group.workers[local_rank].running:
+                raise FaultRefused(f"no running worker with local rank {local_rank}")
+            w = group.workers[local_rank]
+            return w.rank, w.pid
+
+    def _inject_training_fault(self, kind: str, local_rank: int, step: int, factor: float) -> str:
+        """Pass a NaN-loss or loss-spike injection to the worker's trainer over its progress stream."""
+        rank, _ = self._running_worker(local_rank)
+        if kind == "loss-spike" and not factor > 0:
+            raise FaultRefused(f"loss-spike needs a factor > 0 (got {factor:g})")
+        command = agent_pb2.AgentCommand(inject_fault=agent_pb2.InjectTrainingFault(
+            kind="nan" if kind == "nan-loss" else "spike", step=step, factor=factor))
+        if not self.channels.send(local_rank, command):
+            raise FaultRefused(f"the worker with local rank {local_rank} is not connected to the agent")
+        self.metrics.faults.labels(self.config.node_id, f"injected-{kind}").inc()
+        log.warning("agent %s: injected %s into rank %d at step %d (factor %g)", self.config.node_id, kind, rank,
+                    step, factor, extra={"node": self.config.node_id, "rank": rank, "step": step})
+        return f"sent {kind} at step {step} (factor {factor:g}) to local rank {local_rank}"
+
+    def _slow_worker(self, local_rank: int, factor: float) -> str:
+        rank, pid = self._running_worker(local_rank)
+        try:
+            spec = ThrottleSpec(factor, self.config.slow_worker_period)
+        except ValueError as exc:
+            raise FaultRefused(str(exc)) from None
+        with self._lock:
+            old = self._throttles.pop(local_rank, None)
+            self._throttles[local_rank] = Throttle(pid, spec, rank=rank)
+        if old is not None:
+            old.stop()
+        self.metrics.faults.labels(self.config.node_id, "injected-slow-worker").inc()
+        log.warning("agent %s: slowing rank %d down %gx", self.config.node_id, rank, factor,
+                    extra={"node": self.config.node_id, "rank": rank})
+        return f"slowing local rank {local_rank} down {factor:g}x (SIGSTOP/SIGCONT every {spec.period:g} s)"
+
+    def _clear_throttles(self) -> None:
+        with self._lock:
+            throttles, self._throttles = list(self._throttles.values()), {}
+        for t in throttles:
+            t.stop()
+
+    def slowdowns(self) -> dict[int, float]:
+        with self._lock:
+            return {lr: t.spec.factor for lr, t in self._throttles.items() if t.alive}
 
 
 def _stopped(group: WorkerGroup, rank: int) -> bool:

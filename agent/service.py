@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import stat
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ class StepEvent:
     step_time: float
     loss: float
     at: float
+    busy_time: float = 0.0
 
 
 class AgentCore(Protocol):
@@ -41,7 +44,7 @@ class AgentCore(Protocol):
 
     def drain(self, wait: bool, timeout: float) -> tuple[bool, str]: ...
 
-    def inject_fault(self, kind: str, device: int, code: int) -> str:
+    def inject_fault(self, kind: str, device: int, code: int, step: int = 0, factor: float = 0.0) -> str:
         """Apply a fault; raises :class:`FaultRefused`."""
         ...
 
@@ -66,6 +69,9 @@ _FAULTS = {
     agent_pb2.FAULT_HANG_WORKER: "hang-worker",
     agent_pb2.FAULT_CLEAR: "clear",
     agent_pb2.FAULT_DROP_PEERS: "drop-peers",
+    agent_pb2.FAULT_NAN_LOSS: "nan-loss",
+    agent_pb2.FAULT_LOSS_SPIKE: "loss-spike",
+    agent_pb2.FAULT_SLOW_WORKER: "slow-worker",
 }
 
 
@@ -85,7 +91,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         if kind is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fault kind {request.kind}")
         try:
-            detail = self._core.inject_fault(kind, request.device, request.code)  # type: ignore[arg-type]
+            detail = self._core.inject_fault(kind, request.device, request.code,  # type: ignore[arg-type]
+                                             request.step, request.factor)
         except FaultRefused as exc:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         return agent_pb2.FaultReply(applied=True, detail=detail)
@@ -96,29 +103,95 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         return agent_pb2.PingReply(node_id=self._core.node_id(), round=self._core.round_number())
 
 
-class ProgressServicer(agent_pb2_grpc.ProgressServicer):
-    """One stream per worker. Commands back to workers are not sent yet (in-place re-form will)."""
+_CLOSED = object()
 
-    def __init__(self, core: AgentCore) -> None:
+
+class WorkerChannels:
+    """The connected workers' outgoing command queues, by local rank.
+
+    A worker's newest stream replaces an older one of the same local rank (a restarted worker);
+    a stream that ends removes only its own queue.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[int, tuple[int, queue.Queue[object]]] = {}
+
+    def open(self, local_rank: int, pid: int) -> queue.Queue[object]:
+        q: queue.Queue[object] = queue.Queue()
+        with self._lock:
+            old = self._queues.get(local_rank)
+            self._queues[local_rank] = (pid, q)
+        if old is not None:
+            old[1].put(_CLOSED)
+        return q
+
+    def close(self, local_rank: int, q: queue.Queue[object]) -> None:
+        with self._lock:
+            if self._queues.get(local_rank, (0, None))[1] is q:
+                del self._queues[local_rank]
+        q.put(_CLOSED)
+
+    def send(self, local_rank: int, command: agent_pb2.AgentCommand, pid: int | None = None) -> bool:
+        """Queue a command for the worker of ``local_rank`` (and ``pid``, when given); False if
+        no such worker is connected."""
+        with self._lock:
+            entry = self._queues.get(local_rank)
+        if entry is None or (pid is not None and entry[0] != pid):
+            return False
+        entry[1].put(command)
+        return True
+
+    def connected(self) -> dict[int, int]:
+        with self._lock:
+            return {rank: pid for rank, (pid, _) in self._queues.items()}
+
+
+class ProgressServicer(agent_pb2_grpc.ProgressServicer):
+    """One stream per worker: reports are read on a thread of their own while the handler's
+    thread sends the commands queued in :class:`WorkerChannels` for that worker."""
+
+    def __init__(self, core: AgentCore, channels: WorkerChannels | None = None) -> None:
         self._core = core
+        self.channels = channels or WorkerChannels()
 
     def Connect(self, request_iterator: Iterator[agent_pb2.WorkerMessage],
                 context: grpc.ServicerContext) -> Iterator[agent_pb2.AgentCommand]:
-        rank = -1
-        for msg in request_iterator:
-            which = msg.WhichOneof("kind")
-            if which == "hello":
-                rank = msg.hello.rank
-                self._core.worker_hello(rank, msg.hello.local_rank, msg.hello.round, msg.hello.pid)
-            elif which == "step" and rank >= 0:
-                s = msg.step
-                self._core.worker_step(StepEvent(rank, s.step, s.step_time, s.loss, s.time))
-            elif which == "checkpoint" and rank >= 0:
-                c = msg.checkpoint
-                self._core.worker_checkpoint(rank, c.step, c.path, c.committed)
-            elif which == "goodbye":
-                break
-        return iter(())
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "hello":
+            return  # a stream must start with Hello
+        hello = first.hello
+        self._core.worker_hello(hello.rank, hello.local_rank, hello.round, hello.pid)
+        outbox = self.channels.open(hello.local_rank, hello.pid)
+        reader = threading.Thread(target=self._read, args=(request_iterator, hello.rank, hello.local_rank, outbox),
+                                  daemon=True, name=f"progress-rank-{hello.rank}")
+        reader.start()
+        context.add_callback(lambda: self.channels.close(hello.local_rank, outbox))
+        while True:
+            item = outbox.get()
+            if item is _CLOSED:
+                return
+            yield item  # type: ignore[misc]
+
+    def _read(self, request_iterator: Iterator[agent_pb2.WorkerMessage], rank: int, local_rank: int,
+              outbox: queue.Queue[object]) -> None:
+        try:
+            for msg in request_iterator:
+                which = msg.WhichOneof("kind")
+                if which == "step":
+                    s = msg.step
+                    self._core.worker_step(StepEvent(rank, s.step, s.step_time, s.loss, s.time, s.busy_time))
+                elif which == "checkpoint":
+                    c = msg.checkpoint
+                    self._core.worker_checkpoint(rank, c.step, c.path, c.committed)
+                elif which == "goodbye":
+                    break
+        except grpc.RpcError:
+            pass  # the worker went away; its exit is reported by the worker group
+        except Exception:
+            log.exception("progress stream of rank %d failed", rank, extra={"rank": rank})
+        finally:
+            self.channels.close(local_rank, outbox)
 
 
 def _read(path: str | None, what: str) -> bytes | None:
@@ -155,7 +228,7 @@ def start_node_server(config: AgentConfig, core: AgentCore, extra: list[object] 
     return server, port
 
 
-def start_progress_server(path: Path, core: AgentCore) -> grpc.Server:
+def start_progress_server(path: Path, core: AgentCore, channels: WorkerChannels | None = None) -> grpc.Server:
     """The local progress channel on a unix socket only its owner can use.
 
     The socket lives in a directory of mode 0700 and is itself made 0600, so no other user on
@@ -168,7 +241,7 @@ def start_progress_server(path: Path, core: AgentCore) -> grpc.Server:
             raise AgentConfigError(f"agent config: progress_socket: {path} exists and is not a socket")
         path.unlink()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="agent-progress"))
-    agent_pb2_grpc.add_ProgressServicer_to_server(ProgressServicer(core), server)
+    agent_pb2_grpc.add_ProgressServicer_to_server(ProgressServicer(core, channels), server)
     old = os.umask(0o177)
     try:
         if server.add_insecure_port(f"unix:{path}") == 0:

@@ -27,6 +27,9 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_HANG_WORKER: _ClassVar[FaultKind]
     FAULT_CLEAR: _ClassVar[FaultKind]
     FAULT_DROP_PEERS: _ClassVar[FaultKind]
+    FAULT_NAN_LOSS: _ClassVar[FaultKind]
+    FAULT_LOSS_SPIKE: _ClassVar[FaultKind]
+    FAULT_SLOW_WORKER: _ClassVar[FaultKind]
 WORKER_UNKNOWN: WorkerState
 WORKER_STARTING: WorkerState
 WORKER_RUNNING: WorkerState
@@ -41,13 +44,16 @@ FAULT_KILL_WORKER: FaultKind
 FAULT_HANG_WORKER: FaultKind
 FAULT_CLEAR: FaultKind
 FAULT_DROP_PEERS: FaultKind
+FAULT_NAN_LOSS: FaultKind
+FAULT_LOSS_SPIKE: FaultKind
+FAULT_SLOW_WORKER: FaultKind
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("local_rank", "rank", "pid", "state", "last_step", "exit_code", "exit_reason")
+    __slots__ = ("local_rank", "rank", "pid", "state", "last_step", "exit_code", "exit_reason", "busy_time", "straggler", "slowdown")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +61,9 @@ class WorkerStatus(_message.Message):
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     EXIT_REASON_FIELD_NUMBER: _ClassVar[int]
+    BUSY_TIME_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     rank: int
     pid: int
@@ -62,7 +71,10 @@ class WorkerStatus(_message.Message):
     last_step: int
     exit_code: int
     exit_reason: str
-    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_step: _Optional[int] = ..., exit_code: _Optional[int] = ..., exit_reason: _Optional[str] = ...) -> None: ...
+    busy_time: float
+    straggler: bool
+    slowdown: float
+    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_step: _Optional[int] = ..., exit_code: _Optional[int] = ..., exit_reason: _Optional[str] = ..., busy_time: _Optional[float] = ..., straggler: _Optional[bool] = ..., slowdown: _Optional[float] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node", "health", "round", "workers", "draining")
@@ -95,14 +107,18 @@ class DrainReply(_message.Message):
     def __init__(self, drained: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class FaultRequest(_message.Message):
-    __slots__ = ("kind", "device", "code")
+    __slots__ = ("kind", "device", "code", "step", "factor")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
     kind: FaultKind
     device: int
     code: int
-    def __init__(self, kind: _Optional[_Union[FaultKind, str]] = ..., device: _Optional[int] = ..., code: _Optional[int] = ...) -> None: ...
+    step: int
+    factor: float
+    def __init__(self, kind: _Optional[_Union[FaultKind, str]] = ..., device: _Optional[int] = ..., code: _Optional[int] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ...) -> None: ...
 
 class FaultReply(_message.Message):
     __slots__ = ("applied", "detail")
@@ -151,16 +167,18 @@ class Hello(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., round: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "step_time", "loss", "time")
+    __slots__ = ("step", "step_time", "loss", "time", "busy_time")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    BUSY_TIME_FIELD_NUMBER: _ClassVar[int]
     step: int
     step_time: float
     loss: float
     time: float
-    def __init__(self, step: _Optional[int] = ..., step_time: _Optional[float] = ..., loss: _Optional[float] = ..., time: _Optional[float] = ...) -> None: ...
+    busy_time: float
+    def __init__(self, step: _Optional[int] = ..., step_time: _Optional[float] = ..., loss: _Optional[float] = ..., time: _Optional[float] = ..., busy_time: _Optional[float] = ...) -> None: ...
 
 class CheckpointReport(_message.Message):
     __slots__ = ("step", "path", "committed", "stall_seconds")
@@ -181,12 +199,24 @@ class Goodbye(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AgentCommand(_message.Message):
-    __slots__ = ("reform", "stop")
+    __slots__ = ("reform", "stop", "inject_fault")
     REFORM_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    INJECT_FAULT_FIELD_NUMBER: _ClassVar[int]
     reform: Reform
     stop: Stop
-    def __init__(self, reform: _Optional[_Union[Reform, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ...) -> None: ...
+    inject_fault: InjectTrainingFault
+    def __init__(self, reform: _Optional[_Union[Reform, _Mapping]] = ..., stop: _Optional[_Union[Stop, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectTrainingFault, _Mapping]] = ...) -> None: ...
+
+class InjectTrainingFault(_message.Message):
+    __slots__ = ("kind", "step", "factor")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    step: int
+    factor: float
+    def __init__(self, kind: _Optional[str] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ...) -> None: ...
 
 class Reform(_message.Message):
     __slots__ = ("round", "rank", "world_size")

@@ -83,18 +83,30 @@ class HealthRecord(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[HealthState, str]] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., unreachable_peers: _Optional[_Iterable[str]] = ..., checked_at: _Optional[float] = ...) -> None: ...
 
 class ProgressRecord(_message.Message):
-    __slots__ = ("node_id", "round", "step", "step_time", "reported_at")
+    __slots__ = ("node_id", "round", "step", "step_time", "reported_at", "busy_time", "committed_step", "has_committed_step", "straggling_ranks", "gave_up", "gave_up_reason")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_FIELD_NUMBER: _ClassVar[int]
     REPORTED_AT_FIELD_NUMBER: _ClassVar[int]
+    BUSY_TIME_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    GAVE_UP_FIELD_NUMBER: _ClassVar[int]
+    GAVE_UP_REASON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     round: int
     step: int
     step_time: float
     reported_at: float
-    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., step_time: _Optional[float] = ..., reported_at: _Optional[float] = ...) -> None: ...
+    busy_time: float
+    committed_step: int
+    has_committed_step: bool
+    straggling_ranks: _containers.RepeatedScalarFieldContainer[int]
+    gave_up: bool
+    gave_up_reason: str
+    def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., step_time: _Optional[float] = ..., reported_at: _Optional[float] = ..., busy_time: _Optional[float] = ..., committed_step: _Optional[int] = ..., has_committed_step: _Optional[bool] = ..., straggling_ranks: _Optional[_Iterable[int]] = ..., gave_up: _Optional[bool] = ..., gave_up_reason: _Optional[str] = ...) -> None: ...
 
 class LeaderRecord(_message.Message):
     __slots__ = ("daemon_id", "address", "elected_at")
@@ -191,13 +203,31 @@ class FaultRecord(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., fault_times: _Optional[_Iterable[float]] = ..., quarantined: _Optional[bool] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ...) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("reason", "round", "daemon_id", "at")
+    __slots__ = ("reason", "round", "daemon_id", "at", "stragglers")
     REASON_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     reason: str
     round: int
     daemon_id: str
     at: float
-    def __init__(self, reason: _Optional[str] = ..., round: _Optional[int] = ..., daemon_id: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
+    stragglers: _containers.RepeatedCompositeFieldContainer[Straggler]
+    def __init__(self, reason: _Optional[str] = ..., round: _Optional[int] = ..., daemon_id: _Optional[str] = ..., at: _Optional[float] = ..., stragglers: _Optional[_Iterable[_Union[Straggler, _Mapping]]] = ...) -> None: ...
+
+class Straggler(_message.Message):
+    __slots__ = ("node_id", "busy_time", "others_median", "consecutive", "excluded", "since_step")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BUSY_TIME_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_MEDIAN_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    busy_time: float
+    others_median: float
+    consecutive: int
+    excluded: bool
+    since_step: int
+    def __init__(self, node_id: _Optional[str] = ..., busy_time: _Optional[float] = ..., others_median: _Optional[float] = ..., consecutive: _Optional[int] = ..., excluded: _Optional[bool] = ..., since_step: _Optional[int] = ...) -> None: ...
