@@ -66,14 +66,16 @@ def load(
     targets: Mapping[str, torch.Tensor | Shard],
     *,
     step: int | None = None,
+    max_step: int | None = None,
     coordinator: Coordinator | None = None,
     io_threads: int = 4,
     timeout_s: float = 600.0,
 ) -> LoadResult:
     """Fill ``targets`` (name -> tensor or :class:`Shard`, in place) from the newest good checkpoint.
 
-    With ``step`` only that checkpoint is tried, and its error is raised. Every rank of a world
-    must call ``load`` with the same ``root`` and ``step``: like saving, the default coordinator
+    With ``step`` only that checkpoint is tried, and its error is raised. With ``max_step`` the
+    newest good one at or below it is loaded (a rollback to before a bad step). Every rank of a
+    world must call ``load`` with the same ``root``, ``step`` and ``max_step``: like saving, the default coordinator
     is torch.distributed when a process group is initialized (a collective call, as DCP's load),
     else a world of one. Pass ``SingleCoordinator()`` to load in one process alone. Raises
     :class:`CheckpointNotFound` when no checkpoint could be loaded, :class:`LayoutMismatch` when
@@ -86,6 +88,8 @@ def load(
     entries = entries_for_load(targets)
     if coord.rank == 0:
         candidates = [step] if step is not None else storage.committed_steps(root)
+        if max_step is not None:
+            candidates = [c for c in candidates if c <= max_step]
         coord.broadcast(json.dumps(candidates).encode(), timeout_s)
     else:
         candidates = json.loads(coord.broadcast(None, timeout_s))
