@@ -248,6 +248,7 @@ class NodeAgent:
         self._publish_health(force=True)
 
     def _stop_workers(self, why: str) -> None:
+        self._clear_throttles()  # an injected slow-down ends with the workers it slowed
         with self._lock:
             group = self._state.group
             self._state.group = None
@@ -413,6 +414,7 @@ class NodeAgent:
             log.error("agent %s: cannot record checkpoint %d in etcd: %s", self.config.node_id, step, exc)
 
     def status(self) -> agent_pb2.NodeStatus:
+        slowdowns = self.slowdowns()
         with self._lock:
             group, rnd = self._state.group, self._state.round
             workers = []
@@ -424,7 +426,8 @@ class NodeAgent:
                         else agent_pb2.WORKER_FAILED)
                     workers.append(agent_pb2.WorkerStatus(
                         local_rank=w.local_rank, rank=w.rank, pid=w.pid, state=state, last_step=max(p.step, 0),
-                        exit_code=w.exit.returncode if w.exit else 0, exit_reason=w.exit.reason if w.exit else ""))
+                        exit_code=w.exit.returncode if w.exit else 0, exit_reason=w.exit.reason if w.exit else "",
+                        slowdown=slowdowns.get(w.local_rank, 0.0)))
             draining = self._state.draining
         node = records_pb2.NodeRecord(node_id=self.config.node_id, address=self.address, devices=self.config.workers,
                                       cordoned=draining)

@@ -103,3 +103,42 @@ def test_training_faults_are_refused_unless_enabled(etcd_server: LocalEtcd, etcd
         with pytest.raises(grpc.RpcError) as err:
             _stub(agent).InjectFault(agent_pb2.FaultRequest(kind=kind, device=0, step=1, factor=2), timeout=5)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_slow_worker_gets_about_one_over_factor_of_the_progress(etcd_server: LocalEtcd, etcd_client: EtcdClient,
+                                                                  tmp_path: Path, start_agent, monkeypatch) -> None:
+    monkeypatch.setenv("BUSY", "1")
+    monkeypatch.setenv("STEP_TIME", "0.02")
+    job = f"slow-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job))
+    _open_round(etcd_client, keys, 1, "n0", agent.address)
+    _wait(lambda: len(_steps(agent)) == 2 and min(_steps(agent)) > 5, 30, "two workers stepping")
+    stub = _stub(agent)
+    with pytest.raises(grpc.RpcError):  # a factor must slow down
+        stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_SLOW_WORKER, device=1, factor=1.0), timeout=5)
+    reply = stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_SLOW_WORKER, device=1, factor=2.0), timeout=5)
+    assert reply.applied
+    assert agent.status().workers[1].slowdown == 2.0
+
+    def progress(seconds: float) -> tuple[int, int]:
+        before = _steps(agent)
+        time.sleep(seconds)
+        after = _steps(agent)
+        return after[0] - before[0], after[1] - before[1]
+
+    fast, slow = progress(4.0)
+    ratio = slow / fast
+    print(f"throttled 2x: {slow} vs {fast} steps, ratio {ratio:.2f}")
+    assert 0.35 <= ratio <= 0.65, (fast, slow)
+    stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR), timeout=5)
+    assert agent.status().workers[1].slowdown == 0.0
+    fast, slow = progress(3.0)
+    print(f"cleared: {slow} vs {fast} steps")
+    assert slow / fast > 0.65, (fast, slow)  # equal but for CPU contention
+
+    # the throttle ends on its own when its worker exits, leaving nothing stopped
+    stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_SLOW_WORKER, device=0, factor=3.0), timeout=5)
+    throttle = agent._throttles[0]
+    stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_KILL_WORKER, device=0), timeout=5)
+    _wait(lambda: not throttle.alive, 5, "the throttle to end with its worker")
