@@ -167,5 +167,8 @@ class ShardWriter:
         for view in self._views:
             view.release()
         for buf in self._bufs:
-            buf.close()
+            try:
+                buf.close()
+            except BufferError:  # a failed write's traceback still holds a view; freed with it
+                pass
         self._views, self._bufs = [], []

@@ -189,3 +189,44 @@ def test_package_uses_no_pickle_and_imports_nothing_else_of_stalwart():
                 assert not name.startswith("stalwart.") or name.startswith("stalwart.ckpt"), (path, name)
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
                 assert node.attr not in ("load", "save"), path
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs, so a test can fill it (needs root to mount)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to fill needs root")
+    import subprocess
+
+    root = tmp_path / "disk"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "stalwart-test", str(root)], check=True)
+    yield root
+    subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+def test_a_full_disk_fails_the_commit_with_enospc_and_the_next_save_after_freeing_commits(small_disk):
+    root = str(small_disk)
+    _save(root, 2, 1)
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+    errors: list[BaseException | None] = []
+
+    def rank(r, coord):
+        with Checkpointer(root, SaveConfig(chunk_bytes=4096, direct_io="auto"), coordinator=coord) as ckpt:
+            errors.append(ckpt.save(2, rank_state(SPECS, {}, 2, 2, r)).exception(60))
+
+    run_ranks(2, rank)
+    assert all(isinstance(e, CommitFailed) and "No space left on device" in str(e) for e in errors), errors
+    assert [c.step for c in list_checkpoints(root) if c.committed] == [1]
+    assert load(root, rank_targets(SPECS, {}, 1, 0)).step == 1
+    filler.unlink()
+    _save(root, 2, 3)
+    targets = rank_targets(SPECS, {}, 3, 0)
+    assert load(root, targets).step == 3
+    assert check_targets(SPECS, targets, 3) == []
