@@ -299,6 +299,7 @@ class Trainer:
                 self.agent.checkpoint(info.step, info.path, True, info.snapshot_s)
             else:
                 log.error("rank %d step %d: checkpoint not committed: %s", self.rank, handle.step, exc)
+                self.recorder.write("save_failed", step=handle.step, error=str(exc))
                 self.agent.checkpoint(handle.step, "", False)
 
     def _check_engine(self) -> None:
