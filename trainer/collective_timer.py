@@ -4,9 +4,15 @@ Why: in synchronous data parallelism every rank's wall step time is the same —
 for the slow one inside the collectives — so a straggler can only be told apart by its *busy*
 time, wall time minus time blocked in collectives. :func:`install` wraps the collective functions
 of the ``torch.distributed`` module in place. DeepSpeed's ``TorchBackend``
-(``deepspeed/comm/torch.py``) calls them as ``torch.distributed.<name>(...)``, an attribute lookup
-at call time, so the wrappers see DeepSpeed's collectives without any change to the trainer
-(``tests/agent/test_collective_timer.py`` checks this with a DeepSpeed engine).
+(``deepspeed/comm/torch.py``) calls most of them as ``torch.distributed.<name>(...)``, an attribute
+lookup at call time, so the wrappers see them without any change to the trainer. Three exceptions,
+handled here: it reaches ``_all_gather_base`` and, in ``all_gather_coalesced``,
+``all_gather_into_tensor`` through ``torch.distributed.distributed_c10d`` (so that module's names
+are wrapped too), and its ``TorchBackend`` captures ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` once, when ``deepspeed.init_distributed`` runs (the ZeRO all-gather and
+reduce-scatter), so :func:`install` refreshes those two on an existing backend. Point-to-point
+calls (send/recv) are not collectives and are not counted. ``tests/agent/test_collective_timer.py``
+checks all this with a DeepSpeed ZeRO engine.
 
 ``async_op=True``: the returned ``Work`` is wrapped in a proxy whose ``wait()`` is timed (every
 other attribute is the real ``Work``'s), so the time counted is the time the caller actually
@@ -19,6 +25,7 @@ Nested calls (a wrapped collective that calls another) count once, on the outerm
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +35,7 @@ COLLECTIVES = (
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "reduce", "all_gather",
     "barrier", "reduce_scatter", "all_to_all_single", "all_to_all", "gather", "scatter",
     "all_reduce_coalesced", "all_gather_coalesced", "monitored_barrier", "_all_gather_base",
-    "_reduce_scatter_base", "broadcast_object_list", "all_gather_object",
+    "_reduce_scatter_base", "broadcast_object_list", "all_gather_object", "_all_gather_base_coalesced",
 )
 
 
@@ -108,15 +115,34 @@ def install() -> CollectiveTimer:
         if _installed is not None:
             return _installed
         import torch.distributed as dist
+        from torch.distributed import distributed_c10d
 
         timer = CollectiveTimer()
-        for name in COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is None or hasattr(fn, "__stalwart_timed__"):
-                continue
-            setattr(dist, name, timer.wrap(name, fn))
+        wrapped: dict[int, Callable[..., Any]] = {}  # one wrapper per function, whichever module names it
+        for module in (dist, distributed_c10d):
+            for name in COLLECTIVES:
+                fn = getattr(module, name, None)
+                if fn is None or hasattr(fn, "__stalwart_timed__"):
+                    continue
+                if id(fn) not in wrapped:
+                    wrapped[id(fn)] = timer.wrap(name, fn)
+                setattr(module, name, wrapped[id(fn)])
+        _refresh_deepspeed_backend()
         _installed = timer
         return timer
+
+
+def _refresh_deepspeed_backend() -> None:
+    """DeepSpeed's TorchBackend keeps the all-gather/reduce-scatter functions it found at
+    ``init_distributed``; make it look them up again (now wrapped)."""
+    comm = sys.modules.get("deepspeed.comm.comm")
+    cdb = getattr(comm, "cdb", None) if comm is not None else None
+    if cdb is None:
+        return
+    for attr, getter in (("all_gather_function", "get_all_gather_function"),
+                         ("reduce_scatter_function", "get_reduce_scatter_function")):
+        if hasattr(cdb, attr) and hasattr(cdb, getter):
+            setattr(cdb, attr, getattr(cdb, getter)())
 
 
 def uninstall() -> None:
@@ -124,12 +150,14 @@ def uninstall() -> None:
     global _installed
     with _install_lock:
         import torch.distributed as dist
+        from torch.distributed import distributed_c10d
 
-        for name in COLLECTIVES:
-            fn = getattr(dist, name, None)
-            original = getattr(fn, "__stalwart_timed__", None)
-            if original is not None:
-                setattr(dist, name, original)
+        for module in (dist, distributed_c10d):
+            for name in COLLECTIVES:
+                original = getattr(getattr(module, name, None), "__stalwart_timed__", None)
+                if original is not None:
+                    setattr(module, name, original)
+        _refresh_deepspeed_backend()
         _installed = None
 
 
