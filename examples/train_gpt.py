@@ -9,6 +9,11 @@ Kill it and start it again, at the same or another world size that divides the g
 it resumes from the newest good checkpoint and continues with the very samples that were next.
 With ``--steps-log``, rank 0 appends one JSON line per step (step, loss, world size, the sample
 indices of the step) plus restore and commit events (see ``stalwart.trainer.record``).
+
+Training health: a non-finite loss or gradient norm, or a loss spike (``--spike-*``), rolls back
+to the checkpoint before it and skips that data (``--skip``); ``--inject-nan-step`` and
+``--inject-spike-step`` fake such faults on one rank. More than ``--max-rollbacks`` faults within
+``--rollback-window`` steps stop the job with exit status 3 (``stalwart.trainer.EXIT_DIVERGED``).
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stalwart.trainer import Trainer, TrainerConfig
+from stalwart.trainer import EXIT_DIVERGED, HealthConfig, Trainer, TrainerConfig, TrainingDiverged
 
 
 class Block(nn.Module):
@@ -95,6 +101,23 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dropout", type=float, default=0.1,
                         help="0 makes the loss independent of the world size (dropout masks follow the ranks)")
+    parser.add_argument("--initial-scale-power", type=int, default=12, help="fp16: initial loss scale 2**N")
+    health = parser.add_argument_group("training health (see stalwart.trainer.health)")
+    health.add_argument("--no-health", action="store_true", help="no health checks, no rollbacks")
+    health.add_argument("--spike-window", type=int, default=HealthConfig.spike_window)
+    health.add_argument("--spike-threshold", type=float, default=HealthConfig.spike_threshold, help="in MADs")
+    health.add_argument("--spike-min-history", type=int, default=HealthConfig.spike_min_history)
+    health.add_argument("--spike-rel-floor", type=float, default=HealthConfig.spike_rel_floor)
+    health.add_argument("--skip", choices=("since_checkpoint", "last_k"), default=HealthConfig.skip)
+    health.add_argument("--skip-last", type=int, default=HealthConfig.skip_last, help="batches, with --skip last_k")
+    health.add_argument("--max-rollbacks", type=int, default=HealthConfig.max_rollbacks)
+    health.add_argument("--rollback-window", type=int, default=HealthConfig.rollback_window, help="steps")
+    health.add_argument("--inject-nan-step", type=int, action="append", default=[],
+                        help="the loss of this step becomes NaN on --inject-rank (once; repeatable)")
+    health.add_argument("--inject-spike-step", type=int, action="append", default=[],
+                        help="the loss of this step is multiplied by --spike-factor on --inject-rank")
+    health.add_argument("--spike-factor", type=float, default=100.0)
+    health.add_argument("--inject-rank", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"),
                         format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(name)s %(levelname)s %(message)s")
@@ -111,7 +134,7 @@ def main() -> None:
                                                       "warmup_num_steps": 10}},
     }
     if args.fp16:
-        ds_config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}
+        ds_config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": args.initial_scale_power}
     optimizer = None
     if args.offload:
         ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
@@ -123,8 +146,26 @@ def main() -> None:
         checkpoint_dir=args.ckpt_dir, global_batch=args.global_batch, micro_batch=args.micro_batch,
         dataset_len=args.dataset_len, total_steps=args.steps, seed=args.seed, save_every_steps=args.save_every,
         save_every_seconds=args.save_every_seconds, record_path=args.steps_log,
+        health=HealthConfig(
+            enabled=not args.no_health, spike_window=args.spike_window, spike_threshold=args.spike_threshold,
+            spike_min_history=args.spike_min_history, spike_rel_floor=args.spike_rel_floor, skip=args.skip,
+            skip_last=args.skip_last, max_rollbacks=args.max_rollbacks, rollback_window=args.rollback_window,
+        ),
     )  # fmt: skip
     trainer = Trainer.initialize(model, ds_config, config, optimizer=optimizer)
+    if trainer.rank == args.inject_rank:
+        for step in args.inject_nan_step:
+            trainer.inject_fault("nan", step)
+        for step in args.inject_spike_step:
+            trainer.inject_fault("spike", step, args.spike_factor)
+    try:
+        train(trainer, corpus, args)
+    except TrainingDiverged as exc:
+        logging.getLogger("train_gpt").error("rank %d: stopping: %s", trainer.rank, exc)
+        sys.exit(EXIT_DIVERGED)
+
+
+def train(trainer: Trainer, corpus: torch.Tensor, args: argparse.Namespace) -> None:
     engine = trainer.engine
     for batch in trainer.batches():
         losses = []

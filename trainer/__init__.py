@@ -3,16 +3,23 @@
 :class:`Trainer` wraps ``deepspeed.initialize`` (the script still calls ``engine.backward`` and
 ``engine.step``), restores the newest good checkpoint resharded to the current data-parallel size,
 hands out each global step's samples, checkpoints asynchronously, saves on SIGTERM, and reports
-progress to the node's agent.
+progress to the node's agent. Health checks roll a diverging step back to the checkpoint before
+it (``health.py``); a job that keeps diverging raises :class:`TrainingDiverged`, and scripts then
+exit with :data:`EXIT_DIVERGED`.
 """
 
 import importlib
 from typing import Any
 
+EXIT_DIVERGED = 3
+"""Exit status of a training script stopped by :class:`TrainingDiverged` (a crash is 1, a
+SIGTERM with its final checkpoint 0): restarting the same job will not help."""
+
 # Names are imported on first use: ``stalwart.trainer.agent_client`` (used by any training
 # process, DeepSpeed or not) must not pay for importing DeepSpeed through this package.
 _EXPORTS = {
     "DataPosition": "batching",
+    "DataWindow": "batching",
     "GlobalBatchSampler": "batching",
     "StepBatch": "batching",
     "accumulation_steps": "batching",
@@ -21,16 +28,23 @@ _EXPORTS = {
     "InvalidWorldSize": "errors",
     "StepOutOfOrder": "errors",
     "TrainerError": "errors",
+    "TrainingDiverged": "errors",
+    "Fault": "health",
+    "HealthConfig": "health",
+    "HealthMonitor": "health",
+    "Rollback": "health",
+    "RollbackLedger": "health",
     "UnsupportedConfig": "errors",
     "StepRecorder": "record",
     "committed_steps": "record",
     "read_events": "record",
+    "skipped_samples": "record",
     "RestoreInfo": "trainer",
     "Trainer": "trainer",
     "TrainerConfig": "trainer",
     "backend_for_device": "trainer",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "EXIT_DIVERGED"])
 
 
 def __getattr__(name: str) -> Any:

@@ -8,11 +8,17 @@ order, whatever the world size. The position saved in a checkpoint is therefore 
 ``(epoch, consumed)``, and after a restore at another world size the remaining samples of the
 epoch are split among the new ranks: each sample contributes to committed progress once per
 epoch. Samples that do not fill a last global batch are dropped (as ``drop_last``).
+
+A rollback after a training-health fault skips the data that led to it: :class:`DataWindow`
+ranges of positions in an epoch's order that no batch takes. Batches are built from the positions
+outside the windows, in order, so with no window the batches are exactly the runs described above.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,18 +56,42 @@ class DataPosition:
         return cls(epoch=int(obj["epoch"]), consumed=int(obj["consumed"]))
 
 
+@dataclass(frozen=True, order=True)
+class DataWindow:
+    """Positions ``[start, end)`` of ``epoch``'s sample order that are skipped (never trained on)."""
+
+    epoch: int
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.epoch < 0 or not 0 <= self.start < self.end:
+            raise ValueError(f"bad data window: epoch {self.epoch}, positions [{self.start}, {self.end})")
+
+    def to_json(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> DataWindow:
+        return cls(epoch=int(obj["epoch"]), start=int(obj["start"]), end=int(obj["end"]))
+
+
 @dataclass(frozen=True)
 class StepBatch:
     """The data of one global step.
 
     ``samples`` is the whole global batch (every rank's), in order; ``micro_batches`` is this
-    rank's share, one tuple of indices per accumulation step.
+    rank's share, one tuple of indices per accumulation step. ``start``/``end`` are the positions
+    in the epoch's order of its first sample and just past its last (``end - start`` exceeds the
+    batch only when a skipped window lies in between).
     """
 
     step: int
     epoch: int
     samples: tuple[int, ...]
     micro_batches: tuple[tuple[int, ...], ...]
+    start: int = 0
+    end: int = 0
 
     @property
     def local_samples(self) -> tuple[int, ...]:
@@ -86,6 +116,7 @@ class GlobalBatchSampler:
         seed: int = 0,
         shuffle: bool = True,
         position: DataPosition | None = None,
+        skip: Iterable[DataWindow] = (),
     ) -> None:
         if dataset_len < global_batch:
             raise ValueError(f"dataset_len {dataset_len} is smaller than one global batch {global_batch}")
@@ -102,6 +133,11 @@ class GlobalBatchSampler:
         self._position = position or DataPosition()
         self._order_epoch = -1
         self._order: list[int] = []
+        self._skip: dict[int, list[tuple[int, int]]] = {}
+        for w in skip:
+            self._skip.setdefault(w.epoch, []).append((w.start, w.end))
+        for windows in self._skip.values():
+            windows.sort()
 
     @property
     def position(self) -> DataPosition:
@@ -125,12 +161,32 @@ class GlobalBatchSampler:
     def next_batch(self, step: int) -> StepBatch:
         """The batch of global step ``step``; advances the position past it."""
         pos = self._position
-        if pos.consumed + self.global_batch > self.dataset_len:
+        taken = self._take(pos.epoch, pos.consumed)
+        while taken is None:  # the rest of the epoch does not fill a batch
             pos = DataPosition(pos.epoch + 1, 0)
+            taken = self._take(pos.epoch, 0)
         order = self.epoch_order(pos.epoch)
-        samples = tuple(order[pos.consumed : pos.consumed + self.global_batch])
+        samples = tuple(order[p] for p in taken)
         per_rank = self.global_batch // self.dp_size
         mine = samples[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         micro = tuple(mine[i : i + self.micro_batch] for i in range(0, per_rank, self.micro_batch))
-        self._position = DataPosition(pos.epoch, pos.consumed + self.global_batch)
-        return StepBatch(step=step, epoch=pos.epoch, samples=samples, micro_batches=micro)
+        end = taken[-1] + 1
+        self._position = DataPosition(pos.epoch, end)
+        return StepBatch(step=step, epoch=pos.epoch, samples=samples, micro_batches=micro, start=taken[0], end=end)
+
+    def _take(self, epoch: int, start: int) -> list[int] | None:
+        """The next ``global_batch`` positions of ``epoch`` from ``start`` outside skipped windows."""
+        want, out, p = self.global_batch, [], start
+        for ws, we in self._skip.get(epoch, ()):
+            if we <= p:
+                continue
+            n = min(ws - p, want - len(out))
+            if n > 0:
+                out.extend(range(p, p + n))
+                if len(out) == want:
+                    return out
+            p = max(p, we)
+        n = min(self.dataset_len - p, want - len(out))
+        if n > 0:
+            out.extend(range(p, p + n))
+        return out if len(out) == want else None

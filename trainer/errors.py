@@ -52,3 +52,22 @@ class UnsupportedConfig(TrainerError):
 class StepOutOfOrder(TrainerError):
     """``step_done`` was called without the engine having finished exactly one optimizer step
     (a missing or extra ``engine.step()``, or a batch that was not taken from the trainer)."""
+
+
+class TrainingDiverged(TrainerError):
+    """Training kept failing its health checks (non-finite or spiking loss) even after rolling
+    back: more than ``max_rollbacks`` faults within ``rollback_window`` steps, or a fault with no
+    checkpoint before it to roll back to.
+
+    Raised on every rank at the same step, after the checkpoints in flight committed (the faulty
+    step is never saved). Scripts exit with :data:`stalwart.trainer.EXIT_DIVERGED` so the agent
+    (or an operator) can tell divergence from a crash: restarting will not help, the data, the
+    learning rate or the limit in ``HealthConfig`` must change. ``rollbacks`` lists the recent
+    rollbacks as JSON.
+    """
+
+    def __init__(self, message: str, *, step: int, reason: str, rollbacks: list[dict[str, object]]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.reason = reason
+        self.rollbacks = rollbacks

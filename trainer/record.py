@@ -5,10 +5,19 @@ Rank 0 appends one JSON line per event to a file (``TrainerConfig.record_path``)
 - ``{"event": "restore", "step": S, ...}`` — a run started from checkpoint step ``S`` (0: none);
   steps above ``S`` recorded by earlier runs were lost and will be redone;
 - ``{"event": "step", "step": k, "epoch": e, "world_size": w, "loss": x, "samples": [...]}``;
-- ``{"event": "commit", "step": k}`` — the checkpoint of step ``k`` is committed.
+- ``{"event": "commit", "step": k}`` — the checkpoint of step ``k`` is committed;
+- ``{"event": "fault", "step": S, "kind": ..., "reason": ..., "loss": x, "samples": [...]}`` — step
+  ``S`` failed a health check (see ``health.py``); it is not progress and is never checkpointed;
+- ``{"event": "rollback", "step": R, "fault_step": S, "reason": ..., "skipped_samples": [...],
+  "windows": [{"epoch": e, "start": a, "end": b, "samples": [...]}, ...]}`` — training went back
+  to checkpoint ``R`` in-process: recorded steps above ``R`` are dropped (as at a restore) and the
+  listed samples are skipped for good (the next step is ``R + 1``, on the data after them);
+- ``{"event": "gave_up", "step": S, "reason": ..., "rollbacks": n, ...}`` — too many rollbacks:
+  the job stopped (``TrainingDiverged``).
 
-:func:`committed_steps` replays such a file into the history of committed progress, so a test
-(or the chaos runner) can check that every sample of an epoch was used exactly once.
+:func:`committed_steps` replays such a file into the history of committed progress and
+:func:`skipped_samples` lists what rollbacks skipped, so a test (or the chaos runner) can check
+that every sample of an epoch was used exactly once or skipped.
 """
 
 from __future__ import annotations
@@ -53,14 +62,14 @@ def read_events(path: str) -> list[dict[str, Any]]:
 def committed_steps(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """``step -> its step event`` for the steps of committed progress.
 
-    A restore from step ``S`` drops every recorded step above ``S`` (they were redone), and only
-    steps at or below the newest commit seen are committed.
+    A restore or rollback to step ``S`` drops every recorded step above ``S`` (they were redone),
+    and only steps at or below the newest commit seen are committed.
     """
     steps: dict[int, dict[str, Any]] = {}
     last_commit = 0
     for ev in events:
         kind = ev.get("event")
-        if kind == "restore":
+        if kind in ("restore", "rollback"):
             restored = int(ev["step"])
             steps = {k: v for k, v in steps.items() if k <= restored}
             last_commit = restored
@@ -69,3 +78,13 @@ def committed_steps(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
         elif kind == "commit":
             last_commit = max(last_commit, int(ev["step"]))
     return {k: v for k, v in sorted(steps.items()) if k <= last_commit}
+
+
+def skipped_samples(events: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """``epoch -> sorted sample indices`` that rollbacks skipped (never trained on in that epoch)."""
+    out: dict[int, set[int]] = {}
+    for ev in events:
+        if ev.get("event") == "rollback":
+            for w in ev.get("windows", []):
+                out.setdefault(int(w["epoch"]), set()).update(int(i) for i in w["samples"])
+    return {e: sorted(v) for e, v in sorted(out.items())}

@@ -25,6 +25,11 @@ Order of events on every rank (all ranks must call the same methods in the same 
    is recorded, reported to the agent and, every N steps or T seconds, saved asynchronously.
 4. On SIGTERM (on any rank) the next ``step_done`` saves, waits for the commit and exits 0.
    ``finish()`` saves the last step and waits for its commit.
+5. Training health (``health.py``): the same all-reduce carries whether any rank saw a non-finite
+   loss or gradient norm, so every rank judges the step alike. A fault (that, or a loss spike) is
+   not recorded as progress and not saved: the trainer restores, in-process, the newest checkpoint
+   before it, skips the data that led to it and goes on from the restored step (the next batch is
+   the one after the skipped data). Too many faults raise :class:`TrainingDiverged`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import random
 import signal
 import threading
@@ -61,7 +67,18 @@ from stalwart.ckpt import (
 from stalwart.ckpt.storage import set_aside
 from stalwart.trainer.agent_client import AgentClient
 from stalwart.trainer.batching import DataPosition, GlobalBatchSampler, StepBatch, accumulation_steps
-from stalwart.trainer.errors import IncompatibleCheckpoint, StepOutOfOrder, UnsupportedConfig
+from stalwart.trainer.errors import IncompatibleCheckpoint, StepOutOfOrder, TrainingDiverged, UnsupportedConfig
+from stalwart.trainer.health import (
+    SKIP_LAST_K,
+    Fault,
+    HealthConfig,
+    HealthMonitor,
+    Rollback,
+    RollbackLedger,
+    read_journal,
+    windows_of,
+    write_journal,
+)
 from stalwart.trainer.record import StepRecorder
 from stalwart.trainer.zero_state import ZeroState
 
@@ -76,6 +93,7 @@ class TrainerConfig:
     ``save_every_steps`` / ``save_every_seconds``: checkpoint when either is due (``None``: never
     for that rule); the time rule follows rank 0's clock. ``total_steps``: ``batches()`` ends there
     (``None``: never). ``record_path``: rank 0 appends the step record there (see ``record.py``).
+    ``health``: the training-health checks and rollback policy (:class:`HealthConfig`).
     """
 
     checkpoint_dir: str
@@ -92,6 +110,7 @@ class TrainerConfig:
     exit_on_sigterm: bool = True
     dist_timeout_s: float = 600.0
     commit_timeout_s: float = 600.0
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
         if not self.checkpoint_dir:
@@ -112,6 +131,8 @@ class TrainerConfig:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
         if self.dist_timeout_s <= 0 or self.commit_timeout_s <= 0:
             raise ValueError("dist_timeout_s and commit_timeout_s must be positive")
+        if not isinstance(self.health, HealthConfig):
+            raise ValueError(f"health must be a HealthConfig, got {type(self.health).__name__}")
 
 
 @dataclass(frozen=True)
@@ -153,11 +174,16 @@ class Trainer:
         self._coord = TorchDistCoordinator(config.commit_timeout_s)
         self.recorder = StepRecorder(config.record_path if self.rank == 0 else None)
         self.agent = agent if agent is not None else AgentClient(rank=self.rank)
-        self.restored = self._restore()
-        self.sampler = GlobalBatchSampler(
-            config.dataset_len, config.global_batch, config.micro_batch, self.world_size, self.rank,
-            seed=config.seed, shuffle=config.shuffle, position=self.restored.position,
-        )  # fmt: skip
+        self.health = HealthMonitor(config.health)
+        self.ledger = RollbackLedger()
+        self.rollbacks = 0  # rollbacks done by this process
+        self._injected: dict[int, list[tuple[str, float]]] = {}
+        self._inject_lock = threading.Lock()
+        restored = self._restore()
+        assert restored is not None
+        self.restored = restored
+        self.sampler = self._sampler(restored.position)
+        self._skipped_seen = int(getattr(engine, "skipped_steps", 0))
         base = save_config or SaveConfig(commit_timeout_s=config.commit_timeout_s)
         retention = RetentionPolicy(keep_last=config.keep_last)
         self.checkpointer = Checkpointer(
@@ -176,6 +202,9 @@ class Trainer:
         # Python delivers signals to the main thread only; elsewhere the agent's SIGTERM is not seen.
         on_main = threading.current_thread() is threading.main_thread()
         self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm) if on_main else None
+        set_fault_handler = getattr(self.agent, "set_fault_handler", None)
+        if callable(set_fault_handler):  # the agent delivers chaos injections through it
+            set_fault_handler(self.inject_fault)
 
     @classmethod
     def initialize(cls, model: torch.nn.Module, ds_config: dict[str, Any], config: TrainerConfig, *,
@@ -232,16 +261,36 @@ class Trainer:
             )
         self.step = batch.step
         cfg = self.config
+        local_loss = self._injected_loss(batch.step, float(loss))
+        grad_norm = self._grad_norm()
+        skipped_now = int(getattr(self.engine, "skipped_steps", 0)) - self._skipped_seen
         time_due = (self.rank == 0 and cfg.save_every_seconds is not None
                     and time.monotonic() - self._last_save_time >= cfg.save_every_seconds)  # fmt: skip
-        flags = torch.tensor([float(loss), float(self._sigterm), float(time_due)], dtype=torch.float64)
+        # One all-reduce (sum) for everything every rank must decide alike. A global gradient norm
+        # is the same on every rank, so its sum over ranks / world is it (NaN and inf survive).
+        flags = torch.tensor([
+            local_loss if math.isfinite(local_loss) else 0.0, float(self._sigterm), float(time_due),
+            float(not math.isfinite(local_loss)), grad_norm if grad_norm is not None else 0.0,
+            float(grad_norm is not None), float(skipped_now > 0),
+        ], dtype=torch.float64)  # fmt: skip
         dist.all_reduce(flags, group=self._control)
-        mean_loss = flags[0].item() / self.world_size
+        loss_finite = flags[3].item() == 0
+        mean_loss = flags[0].item() / self.world_size if loss_finite else math.nan
+        agreed_norm = flags[4].item() / flags[5].item() if flags[5].item() > 0 else None
+        update_skipped = flags[6].item() > 0
+        self._skipped_seen += skipped_now
         now = time.perf_counter()
         step_time, self._step_started = now - self._step_started, now
-        self.recorder.write("step", step=self.step, epoch=batch.epoch, world_size=self.world_size, loss=mean_loss,
-                            samples=list(batch.samples))
-        self.agent.step(self.step, step_time, mean_loss)
+        fault = self.health.check(batch.step, mean_loss, loss_finite=loss_finite, grad_norm=agreed_norm,
+                                  update_skipped=update_skipped)
+        if fault is not None:
+            self._on_fault(batch, fault, mean_loss, agreed_norm)  # rolls back, or raises TrainingDiverged
+        else:
+            extra = {"update_skipped": True} if update_skipped else {}
+            self.recorder.write("step", step=self.step, epoch=batch.epoch, world_size=self.world_size,
+                                loss=mean_loss, samples=list(batch.samples), **extra)
+            self.health.accept(self.step, mean_loss, update_skipped=update_skipped)
+            self.agent.step(self.step, step_time, mean_loss)
         self._report_saves()
         if flags[1].item() > 0:
             log.warning("rank %d step %d: SIGTERM: final checkpoint, then exit", self.rank, self.step)
@@ -249,9 +298,27 @@ class Trainer:
             self.stopped = True
             if cfg.exit_on_sigterm:
                 raise SystemExit(0)
-        elif flags[2].item() > 0 or (cfg.save_every_steps is not None and self.step % cfg.save_every_steps == 0):
+        elif fault is None and (
+            flags[2].item() > 0 or (cfg.save_every_steps is not None and self.step % cfg.save_every_steps == 0)
+        ):
             self.save()
         return mean_loss
+
+    def inject_fault(self, kind: str, step: int, factor: float = 0.0) -> None:
+        """Make global step ``step`` look unhealthy on this rank, once (tests and chaos runs).
+
+        ``kind="nan"``: the loss this rank reports for the step becomes NaN; ``"spike"``: it is
+        multiplied by ``factor``. Only the reported loss changes (the weights do not), which is
+        what the health checks see. Thread-safe (the agent client calls it from its own thread);
+        a step already passed never fires.
+        """
+        if kind not in ("nan", "spike"):
+            raise ValueError(f"fault kind must be 'nan' or 'spike', got {kind!r}")
+        if kind == "spike" and not math.isfinite(factor):
+            raise ValueError(f"spike factor must be finite, got {factor}")
+        with self._inject_lock:
+            self._injected.setdefault(int(step), []).append((kind, float(factor)))
+        log.warning("rank %d: fault %s (factor %g) armed for step %d", self.rank, kind, factor, step)
 
     def save(self) -> SaveHandle:
         """Checkpoint the current step asynchronously (returns after the snapshot). Collective."""
@@ -283,6 +350,100 @@ class Trainer:
             self.agent.close("finished" if not self._sigterm else "sigterm")
 
     # --- internals -----------------------------------------------------------------------------
+
+    def _sampler(self, position: DataPosition) -> GlobalBatchSampler:
+        c = self.config
+        return GlobalBatchSampler(
+            c.dataset_len, c.global_batch, c.micro_batch, self.world_size, self.rank, seed=c.seed,
+            shuffle=c.shuffle, position=position, skip=self.ledger.windows(),
+        )  # fmt: skip
+
+    def _injected_loss(self, step: int, loss: float) -> float:
+        with self._inject_lock:
+            faults = self._injected.pop(step, [])
+            for stale in [k for k in self._injected if k < step]:
+                del self._injected[stale]
+        for kind, factor in faults:
+            loss = math.nan if kind == "nan" else loss * factor
+            log.warning("rank %d step %d: injected fault %s: reported loss is now %s", self.rank, step, kind, loss)
+        return loss
+
+    def _grad_norm(self) -> float | None:
+        """The engine's global gradient norm of the last optimizer step (``None`` where unknown)."""
+        get = getattr(self.engine, "get_global_grad_norm", None)
+        if get is None:
+            return None
+        value = get()
+        if value is None:
+            return None
+        return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+    def _on_fault(self, batch: StepBatch, fault: Fault, loss: float, grad_norm: float | None) -> None:
+        """Roll back to the newest checkpoint before the fault and skip its data, or give up."""
+        s, hc = batch.step, self.config.health
+        log.error("rank %d step %d: training-health fault %s: %s", self.rank, s, fault.kind, fault.reason)
+        self.recorder.write("fault", step=s, kind=fault.kind, reason=fault.reason, loss=loss, grad_norm=grad_norm,
+                            epoch=batch.epoch, samples=list(batch.samples))
+        recent = self.ledger.recent(s, hc.rollback_window)
+        if len(recent) >= hc.max_rollbacks:
+            self._give_up(s, fault, f"{len(recent) + 1} faults within {hc.rollback_window} steps, more than the "
+                                    f"{hc.max_rollbacks} rollbacks allowed", recent)
+        self._settle_saves()  # a checkpoint of step s - 1 may be in flight: it is the one to go back to
+        restored = self._restore(max_step=s - 1)
+        if restored is None:
+            self._give_up(s, fault, f"no good checkpoint before step {s} to roll back to", recent)
+        assert restored is not None
+        # The batches since the checkpoint, as they were handed out (the same skips applied).
+        replay = self._sampler(restored.position)
+        since = [replay.next_batch(k) for k in range(restored.step + 1, s + 1)]
+        if since[-1].samples != batch.samples:
+            log.error("rank %d step %d: replayed data differs from the batch trained: skipping it anyway",
+                      self.rank, s)
+        skipped = since[-hc.skip_last:] if hc.skip == SKIP_LAST_K else since
+        rollback = Rollback(s, restored.step, fault.reason, windows_of(skipped))
+        self.ledger.add(rollback)
+        if self.rank == 0:
+            write_journal(self.config.checkpoint_dir, self.ledger)
+        windows = [{**w.to_json(), "samples": [i for b in skipped if b.epoch == w.epoch for i in b.samples]}
+                   for w in rollback.windows]
+        self.recorder.write("rollback", step=restored.step, fault_step=s, kind=fault.kind, reason=fault.reason,
+                            skip=hc.skip, skipped_steps=[b.step for b in skipped],
+                            skipped_samples=[i for b in skipped for i in b.samples], windows=windows,
+                            rollbacks=len(recent) + 1, world_size=self.world_size)  # fmt: skip
+        log.warning("rank %d step %d: rolled back to step %d, skipping %d batches (steps %d..%d) of data",
+                    self.rank, s, restored.step, len(skipped), skipped[0].step, skipped[-1].step)
+        self.restored = restored
+        self.sampler = self._sampler(restored.position)
+        self.step = restored.step
+        self._batch = None
+        self._last_saved = restored.step
+        self._skipped_seen = int(getattr(self.engine, "skipped_steps", 0))
+        self.rollbacks += 1
+
+    def _give_up(self, step: int, fault: Fault, why: str, recent: list[Rollback]) -> None:
+        """Stop for good: let healthy checkpoints in flight commit, record why, raise on every rank."""
+        hc = self.config.health
+        message = f"training diverged at step {step}: {why}; last fault: {fault.reason}"
+        log.error("rank %d step %d: %s", self.rank, step, message)
+        self.recorder.write("gave_up", step=step, kind=fault.kind, reason=message, fault=fault.reason,
+                            rollbacks=len(recent), max_rollbacks=hc.max_rollbacks, window=hc.rollback_window,
+                            recent_fault_steps=[r.fault_step for r in recent])  # fmt: skip
+        self._settle_saves()
+        self._closed = True
+        self.stopped = True
+        self.checkpointer.close()
+        if self._old_handler is not None:
+            signal.signal(signal.SIGTERM, self._old_handler)
+        self.agent.close("diverged")
+        raise TrainingDiverged(message, step=step, reason=fault.reason, rollbacks=[r.to_json() for r in recent])
+
+    def _settle_saves(self) -> None:
+        """Wait for the save in flight; a failed one is logged (the loader never sees it)."""
+        try:
+            self.checkpointer.wait()
+        except Exception as exc:  # noqa: BLE001 - reported below through the handle
+            log.warning("rank %d step %d: checkpoint in flight failed: %s", self.rank, self.step, exc)
+        self._report_saves()
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self._sigterm = True  # acted on at the next step boundary, on every rank at once
@@ -317,26 +478,40 @@ class Trainer:
             "format": FORMAT, "step": self.step, "world_size": self.world_size, "global_batch": c.global_batch,
             "micro_batch": c.micro_batch, "dataset_len": c.dataset_len, "seed": c.seed, "shuffle": c.shuffle,
             "position": self.sampler.position.to_json(), "zero": self.state.metadata(),
+            "health": {"history": self.health.to_json(), "rollbacks": self.ledger.to_json()},
         }  # fmt: skip
 
-    def _restore(self) -> RestoreInfo:
+    def _restore(self, max_step: int | None = None) -> RestoreInfo | None:
+        """Load the newest good checkpoint (at or below ``max_step`` for a rollback) into the engine.
+
+        At start (``max_step`` None) no checkpoint means a fresh start at step 0; for a rollback it
+        means ``None``. Rollbacks recorded in the journal are merged with the checkpoint's.
+        """
         root = self.config.checkpoint_dir
         if self.rank == 0:
-            any_committed = any(c.committed for c in list_checkpoints(root))
-            self._coord.broadcast(json.dumps(any_committed).encode(), self.config.commit_timeout_s)
+            steps = [c.step for c in list_checkpoints(root)
+                     if c.committed and (max_step is None or c.step <= max_step)]  # fmt: skip
+            found = {"any": bool(steps), "journal": read_journal(root) if steps and max_step is None else []}
+            self._coord.broadcast(json.dumps(found).encode(), self.config.commit_timeout_s)
         else:
-            any_committed = json.loads(self._coord.broadcast(None, self.config.commit_timeout_s))
-        if not any_committed:
+            found = json.loads(self._coord.broadcast(None, self.config.commit_timeout_s))
+        if not found["any"]:
+            if max_step is not None:
+                return None
             log.info("rank %d: no checkpoint under %s: starting at step 0", self.rank, root)
             self.recorder.write("restore", step=0, world_size=self.world_size, saved_world_size=0)
             return RestoreInfo(0, DataPosition(), 0)
         self.state.ensure_optimizer_state()
         targets, staged = self.state.load_targets()
         try:
-            result = load(root, targets, coordinator=self._coord, timeout_s=self.config.commit_timeout_s)
+            result = load(root, targets, max_step=max_step, coordinator=self._coord,
+                          timeout_s=self.config.commit_timeout_s)
         except LayoutMismatch as exc:
             raise self._incompatible(None) or IncompatibleCheckpoint(str(exc)) from exc
         except CheckpointNotFound:
+            if max_step is not None:
+                log.error("rank %d: no loadable checkpoint at or below step %d under %s", self.rank, max_step, root)
+                return None
             log.error("rank %d: checkpoints exist under %s but none is loadable", self.rank, root)
             raise
         mismatch = self._incompatible(result.step)
@@ -360,10 +535,16 @@ class Trainer:
             _set_rng_state(result.metadata[self.rank]["rng"])
         else:
             _seed_rng(self.config.seed * 1_000_003 + result.step * 1009 + self.rank)
-        log.info("rank %d: restored step %d (saved by %d ranks, now %d)", self.rank, result.step, saved_world,
-                 self.world_size)
-        self.recorder.write("restore", step=result.step, world_size=self.world_size, saved_world_size=saved_world,
-                            skipped=[s for s, _ in result.skipped])
+        health = meta.get("health") or {}
+        self.health = HealthMonitor(self.config.health, health.get("history", []))
+        self.ledger.merge(RollbackLedger.from_json(health.get("rollbacks", [])).rollbacks)
+        self.ledger.merge(RollbackLedger.from_json(found["journal"]).rollbacks)
+        log.info("rank %d: restored step %d (saved by %d ranks, now %d)%s", self.rank, result.step, saved_world,
+                 self.world_size, " to roll back" if max_step is not None else "")
+        if max_step is None:
+            self.recorder.write("restore", step=result.step, world_size=self.world_size,
+                                saved_world_size=saved_world, skipped=[s for s, _ in result.skipped],
+                                rollbacks=len(self.ledger))  # fmt: skip
         return RestoreInfo(result.step, DataPosition.from_json(meta["position"]), saved_world, result.skipped)
 
     def _check_data(self, meta: dict[str, Any], step: int) -> None:
