@@ -17,8 +17,10 @@ import logging
 import queue
 import signal
 import socket
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from importlib import metadata
 
@@ -39,6 +41,7 @@ from stalwart.coord.errors import CoordError
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.lease import Lease
 from stalwart.coord.watch import EventType, Watch
+from stalwart.daemon.stragglers import slower_than_others
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,12 @@ class _Progress:
     step: int = -1
     step_time: float = 0.0
     at: float = 0.0
+    local_rank: int = -1
+    busy: deque[float] = field(default_factory=deque)  # recent busy times (0: unknown)
+
+    def busy_median(self) -> float:
+        known = [b for b in self.busy if b > 0]
+        return statistics.median(known) if known else 0.0
 
 
 @dataclass
@@ -62,6 +71,8 @@ class _State:
     progress: dict[int, _Progress] = field(default_factory=dict)
     draining: bool = False
     restarts: int = 0
+    committed_step: int | None = None  # newest checkpoint a worker reported committed
+    gave_up: str = ""  # why the job gave up (a worker exited with EXIT_DIVERGED); cleared by a new round
 
 
 class NodeAgent:
@@ -216,6 +227,7 @@ class NodeAgent:
         mine = [m for m in record.members if m.node_id == self.config.node_id]
         with self._lock:
             self._state.worker_findings = []  # they were about the round that just ended
+            self._state.gave_up = ""
         self._stop_workers(f"round {record.number} {'closed: ' + record.reason if record.closed else 'opened'}")
         with self._lock:
             self._state.round = record
@@ -265,11 +277,24 @@ class NodeAgent:
             self.stalls.forget(exit_.rank)
             if exit_.kind in (ExitKind.SUCCESS, ExitKind.STOPPED):
                 return
-            self.metrics.faults.labels(self.config.node_id, f"worker-{exit_.kind.value}").inc()
-            self._state.worker_findings.append(Finding("worker", exit_.local_rank, Severity.OK,
-                                                       f"worker-{exit_.kind.value}",
-                                                       f"rank {exit_.rank}: {exit_.reason}", exit_.round))
+            if exit_.kind is ExitKind.GAVE_UP:
+                # Not a worker failure (the daemon would restart the round): the job gave up.
+                self._state.gave_up = f"rank {exit_.rank}: {exit_.reason}"
+                self._state.worker_findings.append(Finding("worker", exit_.local_rank, Severity.OK, "job-gave-up",
+                                                           self._state.gave_up, exit_.round))
+                self.metrics.faults.labels(self.config.node_id, "job-gave-up").inc()
+                log.error("agent %s: %s; the job gave up, not asking for a restart", self.config.node_id,
+                          self._state.gave_up, extra={"node": self.config.node_id, "rank": exit_.rank,
+                                                      "round": exit_.round})
+                self._last_progress_write = 0.0
+            else:
+                self.metrics.faults.labels(self.config.node_id, f"worker-{exit_.kind.value}").inc()
+                self._state.worker_findings.append(Finding("worker", exit_.local_rank, Severity.OK,
+                                                           f"worker-{exit_.kind.value}",
+                                                           f"rank {exit_.rank}: {exit_.reason}", exit_.round))
         self._publish_health(force=True)
+        if exit_.kind is ExitKind.GAVE_UP:
+            self._publish_progress_safe()
 
     # -- monitor: health, stalls, peers, progress ----------------------------------------------------
 
@@ -335,17 +360,39 @@ class NodeAgent:
             log.error("agent %s: node unhealthy: %s", self.config.node_id,
                       ", ".join(f"{f.code} on device {f.device}" for f in record.findings if f.state == 3))
 
+    def _publish_progress_safe(self) -> None:
+        try:
+            self._publish_progress()
+        except CoordError as exc:
+            log.warning("agent %s: cannot write progress to etcd: %s", self.config.node_id, exc)
+
+    def local_stragglers(self) -> dict[int, float]:
+        """This node's ranks (by local rank) whose recent busy time exceeds the median of the
+        node's other ranks by ``straggler_factor``: busy median of each."""
+        with self._lock:
+            busy = {p.local_rank: p.busy_median() for p in self._state.progress.values() if p.local_rank >= 0}
+        known = {lr: b for lr, b in busy.items() if b > 0}
+        return {lr: known[lr] for lr in slower_than_others(known, self.config.straggler_factor)}
+
     def _publish_progress(self) -> None:
         now = time.monotonic()
         if now - self._last_progress_write < self.config.progress_interval:
             return
+        stragglers = sorted(self.local_stragglers())
         with self._lock:
-            if not self._state.progress or self._state.round is None:
+            if self._state.round is None or not (self._state.progress or self._state.gave_up):
                 return
-            slowest = min(self._state.progress.values(), key=lambda p: p.step)
+            progress = list(self._state.progress.values())
+            slowest = min(progress, key=lambda p: p.step) if progress else _Progress()
+            # the node goes at its slowest rank's pace
+            busy = max((p.busy_median() for p in progress), default=0.0)
             record = records_pb2.ProgressRecord(node_id=self.config.node_id, round=self._state.round.number,
                                                 step=max(slowest.step, 0), step_time=slowest.step_time,
-                                                reported_at=time.time())
+                                                reported_at=time.time(), busy_time=busy,
+                                                straggling_ranks=stragglers, gave_up=bool(self._state.gave_up),
+                                                gave_up_reason=self._state.gave_up)
+            if self._state.committed_step is not None:
+                record.committed_step, record.has_committed_step = self._state.committed_step, True
         self._last_progress_write = now
         lease = self._lease.id if self._lease else 0
         self.client.put(self.keys.progress(self.config.node_id), record.SerializeToString(), lease=lease)
@@ -388,12 +435,18 @@ class NodeAgent:
             return self._state.round.number if self._state.round else 0
 
     def worker_hello(self, rank: int, local_rank: int, round_number: int, pid: int) -> None:
-        log.info("agent %s: rank %d (pid %d) connected for round %d", self.config.node_id, rank, pid, round_number)
+        log.info("agent %s: rank %d (pid %d) connected for round %d", self.config.node_id, rank, pid, round_number,
+                 extra={"node": self.config.node_id, "rank": rank, "round": round_number})
+        with self._lock:
+            p = self._state.progress.setdefault(rank, _Progress(busy=deque(maxlen=self.config.busy_window)))
+            p.local_rank = local_rank
 
     def worker_step(self, event: StepEvent) -> None:
         with self._lock:
             self.stalls.step(event.rank, event.step, event.step_time, time.monotonic())
-            self._state.progress[event.rank] = _Progress(event.step, event.step_time, event.at)
+            p = self._state.progress.setdefault(event.rank, _Progress(busy=deque(maxlen=self.config.busy_window)))
+            p.step, p.step_time, p.at = event.step, event.step_time, event.at
+            p.busy.append(event.busy_time)
         self.metrics.step(event.rank, event.step, event.step_time)
 
     def worker_checkpoint(self, rank: int, step: int, path: str, committed: bool) -> None:
@@ -401,6 +454,9 @@ class NodeAgent:
                  "committed" if committed else "started")
         if not committed:
             return
+        with self._lock:
+            if self._state.committed_step is None or step > self._state.committed_step:
+                self._state.committed_step = step
         self.metrics.checkpoint_time.labels(self.config.node_id).set(time.time())
         if rank != 0:
             return  # one commit record per checkpoint, from the agent of rank 0
@@ -415,6 +471,7 @@ class NodeAgent:
 
     def status(self) -> agent_pb2.NodeStatus:
         slowdowns = self.slowdowns()
+        stragglers = self.local_stragglers()
         with self._lock:
             group, rnd = self._state.group, self._state.round
             workers = []
@@ -427,7 +484,8 @@ class NodeAgent:
                     workers.append(agent_pb2.WorkerStatus(
                         local_rank=w.local_rank, rank=w.rank, pid=w.pid, state=state, last_step=max(p.step, 0),
                         exit_code=w.exit.returncode if w.exit else 0, exit_reason=w.exit.reason if w.exit else "",
-                        slowdown=slowdowns.get(w.local_rank, 0.0)))
+                        slowdown=slowdowns.get(w.local_rank, 0.0), busy_time=p.busy_median(),
+                        straggler=w.local_rank in stragglers))
             draining = self._state.draining
         node = records_pb2.NodeRecord(node_id=self.config.node_id, address=self.address, devices=self.config.workers,
                                       cordoned=draining)

@@ -24,10 +24,16 @@ from stalwart.coord.local import die_with_parent
 
 log = logging.getLogger(__name__)
 
+# The trainer's exit status when it stops on repeated training-health faults (NaN or spiking
+# loss): the job gave up and must not be restarted. Same value as ``stalwart.trainer.EXIT_DIVERGED``
+# (defined there; kept here too so the agent does not import the trainer and its torch).
+EXIT_DIVERGED = 3
+
 
 class ExitKind(Enum):
     SUCCESS = "success"
     USER_ERROR = "user-error"  # non-zero exit code
+    GAVE_UP = "gave-up"  # EXIT_DIVERGED: the job gave up, do not restart
     SIGNAL = "signal"
     OOM_KILLED = "oom-killed"
     STOPPED = "stopped"  # ended by the agent (round change, drain, shutdown)
@@ -102,6 +108,8 @@ def classify(returncode: int, stopping: bool, oom_before: int) -> tuple[ExitKind
         return ExitKind.STOPPED, f"stopped by the agent (exit status {returncode})"
     if returncode == 0:
         return ExitKind.SUCCESS, "success"
+    if returncode == EXIT_DIVERGED:
+        return ExitKind.GAVE_UP, f"the job gave up: training diverged (exit code {EXIT_DIVERGED})"
     if returncode > 0:
         return ExitKind.USER_ERROR, f"exit code {returncode}"
     sig = -returncode

@@ -73,6 +73,7 @@ class RoundInfo:
     number: int
     current: OpenRound | None
     decided_by: str
+    gave_up: str = ""  # the round was closed because the job gave up (reason)
 
 
 def _parse(cls: type[Message], value: bytes, what: str) -> Message:
@@ -138,6 +139,28 @@ def decode_worker_failure(node_id: str, value: bytes) -> tuple[int, bool, str] |
     return int(latest), any(f.code in BLAMED_WORKER_CODES for f in mine), "; ".join(f.detail or f.code for f in mine)
 
 
+GAVE_UP_CODE = "job-gave-up"
+GAVE_UP_PREFIX = "the job gave up"  # a closed round whose reason starts so stays closed
+
+
+def decode_gave_up(node_id: str, value: bytes) -> tuple[int, str] | None:
+    """(round, detail) when the agent reports that a worker gave up the job (EXIT_DIVERGED)."""
+    rec = _parse(records_pb2.HealthRecord, value, f"health {node_id}")
+    _check_id(rec.node_id, node_id, f"health {node_id}")
+    gave_up = [f for f in rec.findings if f.code == GAVE_UP_CODE and f.round]
+    if not gave_up:
+        return None
+    latest = max(gave_up, key=lambda f: f.round)
+    return int(latest.round), latest.detail
+
+
+def decode_busy(node_id: str, value: bytes) -> float:
+    """The node's busy seconds per step (0: unknown) from its progress record."""
+    rec = _parse(records_pb2.ProgressRecord, value, f"progress {node_id}")
+    busy = float(rec.busy_time)
+    return busy if busy > 0 and busy == busy and busy != float("inf") else 0.0
+
+
 def decode_progress(node_id: str, value: bytes) -> tuple[int, int, float]:
     """(round, step, reported_at)."""
     rec = _parse(records_pb2.ProgressRecord, value, f"progress {node_id}")
@@ -175,7 +198,8 @@ def decode_round(value: bytes) -> RoundInfo:
     if ranks != list(range(len(ranks))) or not rec.members:
         raise BadRecord(f"round {rec.number}: members are not ranks 0..W-1: {ranks}")
     if rec.closed:
-        return RoundInfo(int(rec.number), None, rec.decided_by)
+        return RoundInfo(int(rec.number), None, rec.decided_by,
+                         rec.reason if rec.reason.startswith(GAVE_UP_PREFIX) else "")
     members = tuple(Member(int(m.node_rank), m.node_id, host_of(m.address) or rec.master_addr,
                            max(1, int(m.local_world_size))) for m in rec.members)
     restore = int(rec.restore_step) if rec.has_restore_step else None
@@ -221,9 +245,10 @@ def encode_faults(node_id: str, fault_times: Sequence[float], quarantined: bool,
                                    reason=reason, written_by=daemon_id).SerializeToString()
 
 
-def encode_status(reason: str, round_number: int, daemon_id: str, at: float) -> bytes:
-    return records_pb2.DaemonStatus(reason=reason, round=round_number, daemon_id=daemon_id,
-                                    at=at).SerializeToString()
+def encode_status(reason: str, round_number: int, daemon_id: str, at: float,
+                  stragglers: Sequence[records_pb2.Straggler] = ()) -> bytes:
+    return records_pb2.DaemonStatus(reason=reason, round=round_number, daemon_id=daemon_id, at=at,
+                                    stragglers=list(stragglers)).SerializeToString()
 
 
 def encode_leader(daemon_id: str, address: str, at: float) -> bytes:
@@ -262,7 +287,19 @@ def leader_summary(value: bytes) -> dict[str, object]:
 
 def status_summary(value: bytes) -> dict[str, object]:
     rec = _parse(records_pb2.DaemonStatus, value, "status")
-    return {"reason": rec.reason, "round": int(rec.round), "daemon_id": rec.daemon_id, "at": rec.at}
+    stragglers = [{"node": s.node_id, "busy_time": s.busy_time, "others_median": s.others_median,
+                   "consecutive": int(s.consecutive), "excluded": bool(s.excluded), "since_step": int(s.since_step)}
+                  for s in rec.stragglers]
+    return {"reason": rec.reason, "round": int(rec.round), "daemon_id": rec.daemon_id, "at": rec.at,
+            "stragglers": stragglers}
+
+
+def progress_summary(node_id: str, value: bytes) -> dict[str, object]:
+    """Busy time, local straggling ranks and the give-up reason of a node's progress record."""
+    rec = _parse(records_pb2.ProgressRecord, value, f"progress {node_id}")
+    return {"busy_time": float(rec.busy_time), "straggling_ranks": [int(r) for r in rec.straggling_ranks],
+            "gave_up": rec.gave_up_reason if rec.gave_up else "",
+            "committed_step": int(rec.committed_step) if rec.has_committed_step else None}
 
 
 def health_name(value: bytes, node_id: str) -> str:

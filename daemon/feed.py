@@ -27,6 +27,7 @@ from stalwart.daemon.round_events import (
     Drain,
     Event,
     HealthVerdict,
+    JobGaveUp,
     LeaseLost,
     NodeRegistered,
     PeerReachability,
@@ -212,6 +213,12 @@ class Feed:
         if node_id in self.members and self._unreachable.get(node_id, frozenset()) != unreachable:
             self._unreachable[node_id] = unreachable
             out.append(PeerReachability(node_id, unreachable))
+        gave_up = codec.decode_gave_up(node_id, value)
+        if gave_up is not None and node_id in self.members and gave_up[0] >= self.round_number - 1 \
+                and (node_id, -gave_up[0]) not in self._failures_seen:
+            # round - 1: a peer's broken collective may have restarted the round first
+            self._failures_seen.add((node_id, -gave_up[0]))
+            out.append(JobGaveUp(node_id, gave_up[0], gave_up[1]))
         failure = codec.decode_worker_failure(node_id, value)
         if failure is not None and node_id in self.members and failure[0] == self.round_number \
                 and (node_id, failure[0]) not in self._failures_seen:
@@ -224,12 +231,13 @@ class Feed:
             return []
         try:
             round_number, step, at = codec.decode_progress(node_id, value)
+            busy = codec.decode_busy(node_id, value)
         except BadRecord as exc:
             self._ignored("progress", str(exc))
             return []
         if node_id not in self.members or (round_number and round_number != self.round_number):
             return []  # a report from another round, or from a node outside the world
-        return [ProgressReport(node_id, step, at)]
+        return [ProgressReport(node_id, step, at, busy)]
 
     def _cordon(self, node_id: str, value: bytes) -> list[Event]:
         try:

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from stalwart.coord.client import EtcdClient, TxnResult
@@ -46,6 +46,7 @@ from stalwart.daemon.feed import Feed
 from stalwart.daemon.nodes import NodeState
 from stalwart.daemon.observe import HealthService, Metrics, SystemdNotifier
 from stalwart.daemon.round_events import (
+    CheckpointCommitted,
     CloseRound,
     Decision,
     Drain,
@@ -53,6 +54,7 @@ from stalwart.daemon.round_events import (
     Health,
     HealthVerdict,
     OpenRound,
+    ProgressReport,
     Status,
     Tick,
 )
@@ -60,6 +62,8 @@ from stalwart.daemon.round_events import (
     LeaseLost as NodeLeaseLost,
 )
 from stalwart.daemon.rounds import RoundMachine
+from stalwart.daemon.stragglers import ExclusionPlan, StragglerDetector, StragglerPolicy, Verdict
+from stalwart.proto import records_pb2
 
 __all__ = ["Daemon", "RoundConflict"]
 
@@ -93,6 +97,11 @@ class _Term:
     pending_status: str | None = None
     status_written_at: float = -float("inf")
     scanned_at: float = -float("inf")
+    last_status: str = ""  # the reason last written (rewritten when the stragglers change)
+    stragglers: StragglerDetector = field(default_factory=StragglerDetector)
+    straggling: tuple[Verdict, ...] = ()
+    exclusion: ExclusionPlan = field(default_factory=ExclusionPlan)
+    excluded: dict[str, records_pb2.Straggler] = field(default_factory=dict)
 
 
 class Daemon:
@@ -203,6 +212,7 @@ class Daemon:
                     self._check_lease(term)
                     batch, arrived = self._collect(watch)
                     now = self._clock()
+                    events: list[Event] = []
                     if batch:
                         events = term.feed.convert(batch)
                         self._note_faults(term, events, arrived)
@@ -211,6 +221,7 @@ class Daemon:
                     else:
                         decisions = term.machine.handle(Tick(), now)
                     self._apply(term, decisions, now)
+                    self._check_stragglers(term, events, now)
                     self._housekeeping(term, now)
         except (NotLeader, LeaseLost, RoundConflict) as exc:
             log.warning("daemon %s: stopped deciding: %s", s.daemon_id, exc, extra={"round": self.round_number})
@@ -234,10 +245,14 @@ class Daemon:
         now, wall = self._clock(), self._wall()
         number = snap.round.number if snap.round else 0
         current = snap.round.current if snap.round else None
-        machine = RoundMachine.resume(self.config.policy, current, number, snap.committed_step, now)
+        machine = RoundMachine.resume(self.config.policy, current, number, snap.committed_step, now,
+                                      gave_up=snap.round.gave_up if snap.round else "")
         for f in snap.faults:
             machine.restore_node(f.node_id, [wall - t for t in f.fault_times], f.quarantined)
         term = _Term(leadership, lease, machine, feed, snap.round_revision, snap.round_value, revision + 1)
+        pol = self.config.policy
+        term.stragglers = StragglerDetector(StragglerPolicy(pol.straggler_factor, pol.straggler_steps))
+        term.stragglers.reset(feed.members)
         self.round_number = number
         self.metrics.round.set(number)
         self._set_world(current)
@@ -289,6 +304,7 @@ class Daemon:
                                                            self.settings.daemon_id, self._wall()), d.number)
                 term.feed.members = frozenset(m.node_id for m in d.members)
                 term.feed.round_number = d.number
+                term.stragglers.reset(term.feed.members)
                 self._set_world(d)
                 self._decided(term, "open", d.number)
                 log.info("round %d: opened with %d nodes (%d workers), restore step %s: %s", d.number,
@@ -299,6 +315,7 @@ class Daemon:
                 value = codec.encode_closed(term.round_value, d, self.settings.daemon_id, self._wall())
                 self._write_round(term, value, d.number)
                 term.feed.members = frozenset()
+                term.stragglers.reset(())
                 self._set_world(None)
                 self._decided(term, "close", d.number)
                 log.warning("round %d: closed: %s", d.number, d.reason, extra={"round": d.number})
@@ -339,9 +356,10 @@ class Daemon:
         if not force and now - term.status_written_at < self.settings.status_interval:
             return
         reason = term.pending_status
-        value = codec.encode_status(reason, self.round_number, self.settings.daemon_id, self._wall())
+        value = codec.encode_status(reason, self.round_number, self.settings.daemon_id, self._wall(),
+                                    self._straggler_records(term))
         self._guarded(term, [], [Put(self.keys.status, value)], [], "status_txn")
-        term.pending_status, term.status_written_at = None, now
+        term.pending_status, term.status_written_at, term.last_status = None, now, reason
         if reason:
             log.info("status: %s", reason, extra={"round": self.round_number})
         self.notifier.status(f"leader: {reason}" if reason else f"leader: round {self.round_number} open")
@@ -374,6 +392,79 @@ class Daemon:
                             extra={"round": self.round_number, "node": node_id})
         for i in range(0, len(ops), _TXN_OPS):
             self._guarded(term, [], ops[i:i + _TXN_OPS], [], "faults_txn")
+
+    # --- stragglers -----------------------------------------------------------------------------
+
+    def _check_stragglers(self, term: _Term, events: list[Event], now: float) -> None:
+        """Feed members' busy times to the detector; report changes; with ``exclude_stragglers``,
+        hold a straggler out (a drain hold) once the next checkpoint has committed."""
+        for ev in events:
+            if isinstance(ev, ProgressReport):
+                term.stragglers.report(ev.node_id, ev.step, ev.busy_time)
+        found = tuple(term.stragglers.stragglers())
+        names = {v.node_id for v in found}
+        if names != {v.node_id for v in term.straggling}:
+            for v in found:
+                if v.node_id not in {s.node_id for s in term.straggling}:
+                    log.warning("node %s: straggler: busy %.3f s/step vs %.3f s median of the others "
+                                "(%d reports in a row, since step %d)", v.node_id, v.busy_time, v.others_median,
+                                v.consecutive, v.since_step,
+                                extra={"node": v.node_id, "round": self.round_number, "step": v.since_step})
+            for old in term.straggling:
+                if old.node_id not in names:
+                    log.info("node %s: no longer a straggler", old.node_id,
+                             extra={"node": old.node_id, "round": self.round_number})
+                    self.metrics.straggler.labels(old.node_id).set(0)
+            if term.pending_status is None:
+                term.pending_status = term.last_status  # rewrite the status record with the new list
+        term.straggling = found
+        for v in found:
+            self.metrics.straggler.labels(v.node_id).set(1)
+            self.metrics.busy.labels(v.node_id).set(v.busy_time)
+        if not self.config.policy.exclude_stragglers:
+            return
+        for node_id in list(term.exclusion.waiting):
+            if node_id not in names:
+                term.exclusion.recovered(node_id)
+        for v in found:
+            if term.exclusion.found(v.node_id, term.machine.state.committed_step):
+                log.warning("node %s: straggler will leave the world at the next checkpoint", v.node_id,
+                            extra={"node": v.node_id, "round": self.round_number})
+        for ev in events:
+            if isinstance(ev, CheckpointCommitted):
+                for node_id in term.exclusion.committed(ev.step):
+                    self._exclude(term, node_id, ev.step, found)
+
+    def _exclude(self, term: _Term, node_id: str, step: int, found: tuple[Verdict, ...]) -> None:
+        st, pol = term.machine.state, self.config.policy
+        members = st.round.members if st.round is not None else ()
+        if node_id not in members:
+            return
+        if pol.world_size_for(len(members) - 1 + len(st.waiting)) is None:
+            log.warning("node %s: straggler kept: too few nodes without it", node_id,
+                        extra={"node": node_id, "round": self.round_number})
+            term.exclusion.excluded.discard(node_id)
+            return
+        v = next((v for v in found if v.node_id == node_id), None)
+        detail = (f"straggler: busy {v.busy_time:.3f} s/step vs {v.others_median:.3f} s median of the others"
+                  if v else "straggler")
+        reason = f"{detail}; excluded at the checkpoint of step {step}"
+        value = codec.encode_cordon(node_id, codec.Hold.DRAIN, reason, f"daemon {self.settings.daemon_id}",
+                                    self._wall())
+        self._guarded(term, [], [Put(self.keys.cordon(node_id), value)], [], "cordon_txn")
+        self.metrics.decisions.labels("exclude-straggler").inc()
+        term.excluded[node_id] = records_pb2.Straggler(
+            node_id=node_id, busy_time=v.busy_time if v else 0.0, others_median=v.others_median if v else 0.0,
+            consecutive=v.consecutive if v else 0, excluded=True, since_step=v.since_step if v else 0)
+        log.warning("node %s: %s", node_id, reason, extra={"node": node_id, "round": self.round_number, "step": step})
+
+    def _straggler_records(self, term: _Term) -> list[records_pb2.Straggler]:
+        out = {node_id: rec for node_id, rec in term.excluded.items() if node_id in term.feed.holds}
+        for v in term.straggling:
+            out.setdefault(v.node_id, records_pb2.Straggler(
+                node_id=v.node_id, busy_time=v.busy_time, others_median=v.others_median, consecutive=v.consecutive,
+                excluded=v.node_id in term.exclusion.waiting, since_step=v.since_step))
+        return [out[k] for k in sorted(out)]
 
     # --- bookkeeping ----------------------------------------------------------------------------
 

@@ -54,6 +54,10 @@ class Metrics:
         self.etcd_latency = Histogram("stalwart_daemon_etcd_request_seconds", "etcd requests of the daemon",
                                       ["op"], buckets=_LATENCY_BUCKETS, registry=r)
         self.terms = Counter("stalwart_daemon_terms", "times this daemon became leader", registry=r)
+        self.straggler = Gauge("stalwart_daemon_straggler", "1 while the node is a straggler (busy time per step "
+                               "over straggler_factor x the others' median)", ["node"], registry=r)
+        self.busy = Gauge("stalwart_daemon_straggler_busy_seconds",
+                          "busy seconds per step (outside collectives) of a straggling node", ["node"], registry=r)
 
     def serve(self, host: str, port: int) -> None:
         """Serve ``/metrics`` on ``host:port`` in a background thread."""

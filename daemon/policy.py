@@ -39,6 +39,13 @@ class RoundPolicy:
       (counted from the round's opening) is stalled. Must exceed the agents' progress report
       interval and the time to restore and take the first step.
     - ``master_port`` (29500, torchrun's default): the port of the rank-0 node's rendezvous store.
+    - ``straggler_factor`` (1.5), ``straggler_steps`` (5): a member whose busy time per step
+      (outside collectives) exceeds the median of the other members' by this factor for this many
+      consecutive progress reports is a straggler (daemon/stragglers.py); it is reported in the
+      status record, ``stalwart status`` and the metrics.
+    - ``exclude_stragglers`` (false): also take a straggler out of the world once the next
+      checkpoint after its detection commits (a drain hold with the reason, lifted by uncordon),
+      so the next round forms without it. Never when that would leave too few nodes.
     """
 
     min_nodes: int = 1
@@ -50,9 +57,18 @@ class RoundPolicy:
     quarantine_window: float = 3600.0
     stall_timeout: float = 120.0
     master_port: int = 29500
+    straggler_factor: float = 1.5
+    straggler_steps: int = 5
+    exclude_stragglers: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("min_nodes", "max_nodes", "node_quantum", "quarantine_faults", "master_port"):
+        if not isinstance(self.exclude_stragglers, bool):
+            raise PolicyError(f"exclude_stragglers must be true or false, got {self.exclude_stragglers!r}")
+        value = self.straggler_factor
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 1:
+            raise PolicyError(f"straggler_factor must be a finite number > 1, got {value!r}")
+        object.__setattr__(self, "straggler_factor", float(value))
+        for name in ("min_nodes", "max_nodes", "node_quantum", "quarantine_faults", "master_port", "straggler_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PolicyError(f"{name} must be an integer, got {value!r}")
@@ -82,6 +98,8 @@ class RoundPolicy:
             raise PolicyError(f"quarantine_window must be positive, got {self.quarantine_window}")
         if self.stall_timeout <= 0:
             raise PolicyError(f"stall_timeout must be positive, got {self.stall_timeout}")
+        if self.straggler_steps < 1:
+            raise PolicyError(f"straggler_steps must be at least 1, got {self.straggler_steps}")
         if not 0 < self.master_port < 65536:
             raise PolicyError(f"master_port must be in 1..65535, got {self.master_port}")
 

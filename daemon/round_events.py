@@ -86,6 +86,18 @@ class ProgressReport:
     node_id: str
     step: int
     time: float
+    busy_time: float = 0.0  # seconds per step outside collectives (0: unknown); for stragglers
+
+
+@dataclass(frozen=True)
+class JobGaveUp:
+    """A member's trainer stopped on repeated training-health faults (exit ``EXIT_DIVERGED``):
+    the job gave up. The machine closes the round and opens no new one; restarting would only
+    diverge again."""
+
+    node_id: str
+    round: int
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -210,7 +222,7 @@ class Status:
 Decision = OpenRound | CloseRound | Status
 
 _NODE_EVENTS = (NodeRegistered, LeaseLost, HealthVerdict, ProgressReport, Drain, Cordon, Uncordon,
-                PeerReachability, WorkerFailed)
+                PeerReachability, WorkerFailed, JobGaveUp)
 
 
 def _is_count(value: object, minimum: int) -> bool:
@@ -242,7 +254,7 @@ def malformed(event: object) -> str | None:
     elif isinstance(event, ProgressReport):
         if not _is_count(event.step, 0):
             return f"step {event.step!r} is not a non-negative integer"
-    elif isinstance(event, WorkerFailed):
+    elif isinstance(event, (WorkerFailed, JobGaveUp)):
         if not _is_count(event.round, 1):
             return f"round {event.round!r} is not a positive integer"
     elif isinstance(event, PeerReachability):

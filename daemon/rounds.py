@@ -55,6 +55,7 @@ from stalwart.daemon.round_events import (
     Event,
     Health,
     HealthVerdict,
+    JobGaveUp,
     LeaseLost,
     Member,
     NodeRegistered,
@@ -113,6 +114,7 @@ class MachineState:
     last_status: str | None = None
     now: float = -math.inf
     fault_changes: set[str] = field(default_factory=set)
+    gave_up: str = ""  # the job gave up (why): no round opens again (a new daemon term keeps it)
 
 
 def name_unreachable_node(members: Sequence[str], reports: Mapping[str, Iterable[str]]) -> str | None:
@@ -152,7 +154,7 @@ class RoundMachine:
 
     @classmethod
     def resume(cls, policy: RoundPolicy, current: OpenRound | None, last_round_number: int,
-               committed_step: int | None, now: float) -> RoundMachine:
+               committed_step: int | None, now: float, gave_up: str = "") -> RoundMachine:
         """Rebuild a machine where a previous leader left off (a standby taking over).
 
         ``current`` is the round record the previous leader wrote (None when its last word was
@@ -166,6 +168,7 @@ class RoundMachine:
         machine = cls(policy)
         st = machine.state
         st.now = now
+        st.gave_up = gave_up if current is None else ""
         st.committed_step = committed_step
         st.last_round_number = max(last_round_number, current.number if current else 0)
         if current is not None:
@@ -235,7 +238,9 @@ class RoundMachine:
                 continue
             self._dispatch(event, now)
         decisions: list[Decision] = []
-        if self._broken and st.round is not None:
+        if st.gave_up and st.round is not None:
+            decisions = self._close(st.round, st.gave_up)
+        elif self._broken and st.round is not None:
             causes = self._broken
             why = "; ".join(causes[:3]) + (f"; and {len(causes) - 3} more" if len(causes) > 3 else "")
             decisions = self._reopen(now, why)
@@ -264,6 +269,8 @@ class RoundMachine:
             self._on_reachability(event)
         elif isinstance(event, WorkerFailed):
             self._on_worker_failed(event, now)
+        elif isinstance(event, JobGaveUp):
+            self._on_gave_up(event)
         # Tick: nothing to apply; the time-based rules run after every batch
 
     # --- event handlers -------------------------------------------------------------------------
@@ -342,6 +349,22 @@ class RoundMachine:
         if ev.blame and rec.state not in HELD:
             self._fault(rec, now, why)
         self._broken.append(f"node {rec.node_id} {why}")
+
+    def _on_gave_up(self, ev: JobGaveUp) -> None:
+        st = self.state
+        if st.gave_up:
+            return
+        if ev.round < st.last_round_number - 1 or (st.round is not None and not self._in_round(ev.node_id)):
+            log.info("round %d: node %s: ignored give-up of round %d", self._round_no(), ev.node_id, ev.round)
+            return
+        st.gave_up = f"the job gave up: node {ev.node_id}: {ev.reason or 'training diverged'}"
+        log.error("round %d: %s; no new round will open", self._round_no(), st.gave_up)
+
+    def _close(self, rnd: RoundRecord, why: str) -> list[Decision]:
+        self._retire(rnd, set(), why)
+        self.state.round = None
+        log.warning("round %d: closed: %s", rnd.number, why)
+        return [CloseRound(rnd.number, why), *self._status(why)]
 
     def _on_progress(self, ev: ProgressReport, now: float) -> None:
         rnd = self.state.round
@@ -433,6 +456,8 @@ class RoundMachine:
     def _form(self, now: float) -> list[Decision]:
         """Open a round when none is open and enough eligible nodes wait."""
         st, pol = self.state, self.policy
+        if st.gave_up:
+            return self._status(st.gave_up)
         n = len(st.waiting)
         if st.last_round_number == 0:
             deadline = None if st.first_registered_at is None else st.first_registered_at + pol.join_timeout

@@ -32,6 +32,9 @@ class NodeRow:
     step_round: int | None = None
     faults: int = 0
     address: str = ""
+    busy_time: float | None = None  # seconds per step outside collectives (recent median)
+    straggler: str = ""  # "straggler" / "excluded straggler" (daemon), "ranks 1,3" (agent: local ranks)
+    gave_up: str = ""
 
 
 @dataclass
@@ -88,6 +91,12 @@ def read_status(client: EtcdClient, job: str) -> JobStatus:
                 round_number, step, _ = codec.decode_progress(name, kv.value)
                 row = _row(rows, name)
                 row.last_step, row.step_round = step, round_number
+                extra = codec.progress_summary(name, kv.value)
+                row.busy_time = float(extra["busy_time"]) or None  # type: ignore[arg-type]
+                row.gave_up = str(extra["gave_up"])
+                local = extra["straggling_ranks"]
+                if local:
+                    row.straggler = "local ranks " + ",".join(str(r) for r in local)  # type: ignore[attr-defined]
             elif parsed.kind is Kind.CORDON:
                 hold = codec.decode_cordon(name, kv.value)
                 if hold is not Hold.NONE:
@@ -105,6 +114,8 @@ def read_status(client: EtcdClient, job: str) -> JobStatus:
             out.checkpoint = codec.ckpt_summary(*newest_ckpt)
         except BadRecord as exc:
             out.unreadable.append(f"checkpoint {newest_ckpt[0]}: {exc}")
+    for s in (out.status or {}).get("stragglers", []):  # type: ignore[attr-defined]
+        _row(rows, s["node"]).straggler = "excluded straggler" if s["excluded"] else "straggler"
     members: list[str] = list(out.round["members"]) if out.round and not out.round["closed"] else []  # type: ignore[call-overload]
     for rank, node in enumerate(members):
         row = _row(rows, node)
@@ -134,6 +145,10 @@ def format_table(st: JobStatus) -> str:
             lines.append(f"  why: {rnd['reason']}")
     if st.status and st.status["reason"]:
         lines.append(f"daemon: {st.status['reason']}")
+    for s in (st.status or {}).get("stragglers", []):  # type: ignore[attr-defined]
+        lines.append(f"straggler: {s['node']}: busy {s['busy_time']:.3f} s/step vs {s['others_median']:.3f} s "
+                     f"median of the others, {s['consecutive']} reports in a row since step {s['since_step']}"
+                     + (" (excluded at a checkpoint)" if s["excluded"] else ""))
     ck = st.checkpoint
     lines.append(f"newest checkpoint: step {ck['step']} at {ck['path'] or '-'}" if ck else "newest checkpoint: none")
     counts: dict[str, int] = {}
@@ -143,13 +158,15 @@ def format_table(st: JobStatus) -> str:
     if st.nodes:
         width = max(4, *(len(r.node) for r in st.nodes))
         lines.append(f"{'node':<{width}}  {'rank':>4}  {'state':<10} {'holds':<22} {'health':<9} "
-                     f"{'last step':>10}  {'faults':>6}  address")
+                     f"{'last step':>10}  {'busy s':>7}  {'faults':>6}  address")
         for r in st.nodes:
             step = "-" if r.last_step is None else f"{r.last_step}" + (
                 f" (r{r.step_round})" if r.step_round and rnd and r.step_round != rnd["number"] else "")
+            busy = "-" if r.busy_time is None else f"{r.busy_time:.3f}"
             lines.append(f"{r.node:<{width}}  {'-' if r.rank is None else r.rank:>4}  {r.place:<10} "
-                         f"{','.join(r.holds) or '-':<22} {r.health:<9} {step:>10}  {r.faults:>6}  "
-                         f"{r.address or '-'}")
+                         f"{','.join(r.holds) or '-':<22} {r.health:<9} {step:>10}  {busy:>7}  {r.faults:>6}  "
+                         f"{r.address or '-'}" + (f"  [{r.straggler}]" if r.straggler else "")
+                         + (f"  gave up: {r.gave_up}" if r.gave_up else ""))
     for problem in st.unreadable:
         lines.append(f"unreadable: {problem}")
     return "\n".join(lines)

@@ -56,7 +56,7 @@ def test_sigkilled_worker_is_reported_within_half_a_second(tmp_path: Path) -> No
         group.stop(grace=1)
 
 
-@pytest.mark.parametrize("code,kind", [(0, ExitKind.SUCCESS), (3, ExitKind.USER_ERROR)])
+@pytest.mark.parametrize("code,kind", [(0, ExitKind.SUCCESS), (4, ExitKind.USER_ERROR), (3, ExitKind.GAVE_UP)])
 def test_exit_codes_are_classified(tmp_path: Path, code: int, kind: ExitKind) -> None:
     group, exits = _group(tmp_path, [sys.executable, "-c", f"raise SystemExit({code})"])
     assert {exits.get(timeout=30).kind for _ in range(2)} == {kind}
