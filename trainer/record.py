@@ -4,7 +4,8 @@ Rank 0 appends one JSON line per event to a file (``TrainerConfig.record_path``)
 
 - ``{"event": "restore", "step": S, ...}`` — a run started from checkpoint step ``S`` (0: none);
   steps above ``S`` recorded by earlier runs were lost and will be redone;
-- ``{"event": "step", "step": k, "epoch": e, "world_size": w, "loss": x, "samples": [...]}``;
+- ``{"event": "step", "step": k, "epoch": e, "world_size": w, "loss": x, "grad_norm": g,
+  "samples": [...]}`` (``"update_skipped": true`` when fp16 overflow made DeepSpeed drop the update);
 - ``{"event": "commit", "step": k}`` — the checkpoint of step ``k`` is committed;
 - ``{"event": "fault", "step": S, "kind": ..., "reason": ..., "loss": x, "samples": [...]}`` — step
   ``S`` failed a health check (see ``health.py``); it is not progress and is never checkpointed;

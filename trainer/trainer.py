@@ -286,9 +286,9 @@ class Trainer:
         if fault is not None:
             self._on_fault(batch, fault, mean_loss, agreed_norm)  # rolls back, or raises TrainingDiverged
         else:
-            extra = {"update_skipped": True} if update_skipped else {}
+            extra = {"update_skipped": True} if update_skipped else {}  # fp16 overflow: no weight changed
             self.recorder.write("step", step=self.step, epoch=batch.epoch, world_size=self.world_size,
-                                loss=mean_loss, samples=list(batch.samples), **extra)
+                                loss=mean_loss, grad_norm=agreed_norm, samples=list(batch.samples), **extra)
             self.health.accept(self.step, mean_loss, update_skipped=update_skipped)
             self.agent.step(self.step, step_time, mean_loss)
         self._report_saves()
