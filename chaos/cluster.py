@@ -1,9 +1,13 @@
 """A whole stalwart cluster on one machine, for chaos runs and the demo.
 
 etcd members (``LocalEtcd``), rendezvous daemons and one agent per simulated node, each a real
-process on loopback ports with its log under the run's directory. Agents run with the fake GPU
-probe and fault injection enabled (this cluster exists to be broken), over plain TCP (loopback
-only). :meth:`LocalCluster.stop` tears everything down, also after a failure.
+process with its log under the run's directory. Agents run with the fake GPU probe and fault
+injection enabled (this cluster exists to be broken), over plain TCP on private addresses only.
+By default everything listens on loopback; when the scenario cuts a node's network (and the run
+is root), each node's agent and workers live in their own network namespace (``netns.py``) and
+etcd listens on the bridge that joins them. When it fills the checkpoint disk (root again), the
+checkpoint directory is a small tmpfs. :meth:`LocalCluster.stop` tears everything down, also
+after a failure.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from stalwart.chaos.netns import NodeNetwork, unavailable_reason
 from stalwart.chaos.scenario import Scenario
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
@@ -70,7 +75,12 @@ class LocalCluster:
         self.keys = JobKeys(job)
         self.ckpt_dir = workdir / "checkpoints"
         self.steps_log = workdir / "steps.jsonl"
-        self.etcd = LocalEtcd(workdir / "etcd", scenario.cluster.etcd_members)
+        # Namespaces only when a fault needs them: they need root, and loopback is simpler to debug.
+        self.net = (NodeNetwork(scenario.node_names())
+                    if scenario.uses("network-cut") and unavailable_reason() is None else None)
+        self.ckpt_tmpfs = scenario.uses("fill-disk") and os.geteuid() == 0
+        self.etcd = LocalEtcd(workdir / "etcd", scenario.cluster.etcd_members,
+                              host=self.net.host_ip if self.net else "127.0.0.1")
         self.daemons: dict[str, Proc] = {}
         self.agents: dict[str, Proc] = {}
         self.client: EtcdClient | None = None
@@ -84,6 +94,13 @@ class LocalCluster:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.net is not None:
+            self.net.setup()
+        if self.ckpt_tmpfs:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            size = f"size={self.scenario.cluster.checkpoint_fs_mb}m"
+            subprocess.run(["mount", "-t", "tmpfs", "-o", size, "stalwart-chaos", str(self.ckpt_dir)], check=True,
+                           capture_output=True, timeout=30)
         self.etcd.start()
         self.client = EtcdClient(self.etcd.client_config(timeout=10.0))
         for i in range(self.scenario.cluster.daemons):
@@ -91,12 +108,12 @@ class LocalCluster:
         for node in self.scenario.node_names():
             self.start_agent(node)
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         path = self.workdir / f"{name}.log"
         with open(path, "ab") as out:
             # Everything dies with the runner, even if it is SIGKILLed: no cluster outlives its run.
             popen = subprocess.Popen(die_with_parent(args), stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self._env, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, env=env or self._env, start_new_session=True)
         return Proc(name, popen, path)
 
     def start_daemon(self, name: str) -> None:
@@ -127,13 +144,17 @@ class LocalCluster:
         command = ", ".join(f'"{a}"' for a in self.job_command())
         cfg.write_text(
             f'job = "{self.job}"\nnode_id = "{node}"\ncommand = [{command}]\nworkers = {c.workers_per_node}\n'
-            f'listen = "127.0.0.1:0"\ninsecure = true\nstate_dir = "{self.workdir / node}"\n'
+            f'listen = "{self.net.address(node) if self.net else "127.0.0.1"}:0"\ninsecure = true\nstate_dir = "{self.workdir / node}"\n'
             f"lease_ttl = {c.lease_ttl}\nprobe = \"fake\"\nfault_injection = true\nstop_grace = 10.0\n"
             f"stall_floor = 4.0\nstall_factor = 10.0\nstall_first_step = 180.0\nprogress_interval = 1.0\n"
             f"peer_probe_interval = 2.0\n[etcd]\nendpoints = [{', '.join(repr(e) for e in self.etcd.endpoints)}]\n"
             .replace("'", '"'))
-        self.agents[node] = self._spawn(node, [self._python, "-m", "stalwart.cli.main", "--log-level", "info",
-                                               "agent", "--config", str(cfg)])
+        args = [self._python, "-m", "stalwart.cli.main", "--log-level", "info", "agent", "--config", str(cfg)]
+        env = self._env
+        if self.net is not None:
+            args = [*self.net.exec_prefix(node), *args]
+            env = dict(env, GLOO_SOCKET_IFNAME="eth0")  # the namespace's only way out
+        self.agents[node] = self._spawn(node, args, env)
 
     # -- views ---------------------------------------------------------------------------------
 
@@ -205,3 +226,27 @@ class LocalCluster:
         if self.client is not None:
             self.client.close()
         self.etcd.stop()
+        if self.net is not None:
+            self.net.teardown()
+        if self.ckpt_tmpfs:
+            subprocess.run(["umount", "-l", str(self.ckpt_dir)], capture_output=True, timeout=30)
+
+    # -- faults on the environment -------------------------------------------------------------------
+
+    def fill_disk(self) -> int:
+        """Fill the checkpoint file system up to the last byte; returns the bytes taken."""
+        if not self.ckpt_tmpfs:
+            raise RuntimeError("filling the checkpoint disk needs root (a tmpfs of its own); skipped")
+        free = os.statvfs(self.ckpt_dir)
+        size = free.f_bavail * free.f_frsize
+        with open(self.ckpt_dir / "fill-disk.bin", "wb") as f:
+            chunk = b"\0" * (1 << 20)
+            try:
+                while True:
+                    f.write(chunk)
+            except OSError:  # ENOSPC: full, as intended
+                pass
+        return size
+
+    def free_disk(self) -> None:
+        (self.ckpt_dir / "fill-disk.bin").unlink(missing_ok=True)

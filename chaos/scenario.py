@@ -60,6 +60,7 @@ class ClusterSpec:
     lease_ttl: int = 2
     min_nodes: int = 1
     node_quantum: int = 1
+    checkpoint_fs_mb: int = 64  # size of the checkpoint tmpfs, when a fill-disk fault needs one
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class FaultSpec:
     node: str | None = None
     rank: int = 0  # local rank for worker faults, device for GPU faults
     code: int = 79  # Xid for gpu-fault
-    duration: float = 5.0  # network-cut: seconds until the link comes back
+    duration: float = 5.0  # network-cut, fill-disk: seconds until the link comes back or the disk is freed
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,10 @@ class Scenario:
 
     def node_names(self) -> list[str]:
         return [f"node{i}" for i in range(self.cluster.nodes)]
+
+    def uses(self, kind: str) -> bool:
+        """Whether the timeline (fixed or random) can inject ``kind``."""
+        return any(f.kind == kind for f in self.faults) or (self.random is not None and kind in self.random.kinds)
 
     def random_faults(self) -> list[FaultSpec]:
         """The random part of the timeline, fixed by the seed so a failing run can be replayed."""
@@ -172,6 +177,7 @@ def _validate(s: Scenario) -> None:
         (c.nodes >= 1, "cluster.nodes", "must be >= 1"),
         (c.workers_per_node >= 1, "cluster.workers_per_node", "must be >= 1"),
         (1 <= c.min_nodes <= c.nodes, "cluster.min_nodes", f"must be within 1..{c.nodes}"),
+        (c.checkpoint_fs_mb >= 8, "cluster.checkpoint_fs_mb", "must be >= 8"),
         (j.steps >= 1, "job.steps", "must be >= 1"),
         (j.checkpoint_every >= 1, "job.checkpoint_every", "must be >= 1"),
         (j.zero_stage in (0, 1, 2, 3), "job.zero_stage", "must be 0, 1, 2 or 3"),

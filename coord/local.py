@@ -69,10 +69,11 @@ class Member:
     data_dir: Path
     log_file: Path
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    host: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def running(self) -> bool:
@@ -80,7 +81,7 @@ class Member:
 
 
 class LocalEtcd:
-    """A cluster of ``size`` etcd members on free loopback ports under ``workdir``."""
+    """A cluster of ``size`` etcd members on free ports of ``host`` (loopback unless given) under ``workdir``."""
 
     def __init__(
         self,
@@ -90,6 +91,7 @@ class LocalEtcd:
         tls: TLSFiles | None = None,
         etcd_binary: str | None = None,
         extra_args: tuple[str, ...] = (),
+        host: str = "127.0.0.1",
     ) -> None:
         binary = etcd_binary or shutil.which("etcd")
         if not binary:
@@ -106,6 +108,7 @@ class LocalEtcd:
                 peer_port=free_port(),
                 data_dir=self.workdir / f"m{i}.etcd",
                 log_file=self.workdir / f"m{i}.log",
+                host=host,
             )
             for i in range(size)
         ]
@@ -129,16 +132,16 @@ class LocalEtcd:
         return EtcdConfig(**settings)  # type: ignore[arg-type]
 
     def _args(self, m: Member) -> list[str]:
-        cluster = ",".join(f"{x.name}=http://127.0.0.1:{x.peer_port}" for x in self.members)
-        client_url = f"{self.scheme}://127.0.0.1:{m.client_port}"
+        cluster = ",".join(f"{x.name}=http://{x.host}:{x.peer_port}" for x in self.members)
+        client_url = f"{self.scheme}://{m.host}:{m.client_port}"
         args = [
             self.binary,
             "--name", m.name,
             "--data-dir", str(m.data_dir),
             "--listen-client-urls", client_url,
             "--advertise-client-urls", client_url,
-            "--listen-peer-urls", f"http://127.0.0.1:{m.peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{m.peer_port}",
+            "--listen-peer-urls", f"http://{m.host}:{m.peer_port}",
+            "--initial-advertise-peer-urls", f"http://{m.host}:{m.peer_port}",
             "--initial-cluster", cluster,
             "--initial-cluster-token", self.token,
             "--initial-cluster-state", "new",

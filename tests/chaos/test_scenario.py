@@ -67,3 +67,10 @@ def test_broken_toml(tmp_path: Path) -> None:
     (tmp_path / "b.toml").write_text("name = [")
     with pytest.raises(ScenarioError):
         load(tmp_path / "b.toml")
+
+
+def test_uses_sees_the_timeline_and_the_random_kinds() -> None:
+    s = from_mapping({"fault": [{"kind": "fill-disk", "at_step": 3}], "random": {"kinds": ["network-cut"]}})
+    assert s.uses("fill-disk") and s.uses("network-cut") and not s.uses("kill-agent")
+    with pytest.raises(ScenarioError, match="cluster.checkpoint_fs_mb"):
+        from_mapping({"cluster": {"checkpoint_fs_mb": 1}})
