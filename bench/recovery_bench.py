@@ -1,6 +1,21 @@
-"""Kill one node of a 3-node torchrun job and time the recovery, per rendezvous backend.
+"""Time recovery from faults: stalwart per fault kind beside torchrun ``c10d``, and per rendezvous backend.
 
-Each trial starts 3 torchrun processes on loopback (``--nnodes 2:3 --nproc-per-node 1``, one per
+Two suites (``--suite``):
+
+``faults`` (default): the DeepSpeed example job (``examples/train_gpt.py``, ZeRO-1, 3 simulated
+nodes of one worker) under the whole stalwart system (etcd, daemon, agents: the chaos runner
+with one fault per trial) and under torchrun ``c10d`` (3 torchrun processes, the store
+workaround on), the same fault injected once training runs at world size 3. Per fault kind and
+system: *detection* (stalwart: the round that drops or restarts the node; torchrun: the first
+worker, other than the victim, that a torchrun stops or replaces) and *fault to resumed step* (the first step recorded after
+the fault by a restored world). Kinds: ``kill-worker`` (SIGKILL one worker), ``kill-node`` (the
+node's agent or torchrun and its worker, SIGKILL), ``hang-worker`` (SIGSTOP one worker; torchrun
+has no hang detection, so it only recovers if a collective times out), ``network-cut`` (stalwart
+only, needs root: torchrun's nodes share loopback here).
+
+``rendezvous``: the older comparison below, kept for the torchrun backend.
+
+Kill one node of a 3-node torchrun job and time the recovery, per rendezvous backend. Each trial starts 3 torchrun processes on loopback (``--nnodes 2:3 --nproc-per-node 1``, one per
 simulated node) running ``examples/elastic_gloo.py``, waits until all three train at world size
 3, SIGKILLs every process of the last node (its torchrun and its worker), and measures the time
 from the kill to the first step completed at world size 2. A trial that has not resumed within
@@ -11,7 +26,8 @@ Backends, side by side: ``stalwart`` (etcd), ``c10d`` as it is, and ``c10d`` wit
 settings (keep-alive 1 s × 3, last call 2 s), so the comparison is about correctness, not
 timeouts. The killed node is never the one hosting c10d's rendezvous store.
 
-    python bench/recovery_bench.py --trials 5            # prints a table, writes bench/results/recovery.json
+    python bench/recovery_bench.py --trials 3                      # faults suite: table + bench/results/faults.json
+    python bench/recovery_bench.py --suite rendezvous --trials 5   # writes bench/results/recovery.json
 """
 
 from __future__ import annotations
@@ -114,14 +130,188 @@ def run_trial(mode: Mode, etcd: LocalEtcd | None, workdir: Path, index: int, tim
             p.wait()
 
 
+# -- the faults suite ------------------------------------------------------------------------------
+
+GPT = REPO / "examples" / "train_gpt.py"
+FAULT_KINDS = ("kill-worker", "kill-node", "hang-worker", "network-cut")
+FAULT_AT_STEP = 25
+JOB = {"checkpoint_every": 5, "zero_stage": 1, "global_batch": 12, "micro_batch": 2, "step_time": 0.05,
+       "samples": 48000}
+
+
+@dataclass
+class FaultTrial:
+    system: str
+    kind: str
+    detected_s: float | None  # fault -> the system acted on it
+    resumed_s: float | None  # fault -> first step of the restored world
+    detail: str
+
+
+def stalwart_trial(kind: str, workdir: Path, index: int, timeout: float) -> FaultTrial:
+    from stalwart.chaos.netns import unavailable_reason
+    from stalwart.chaos.runner import Runner
+    from stalwart.chaos.scenario import from_mapping
+
+    if kind == "network-cut" and unavailable_reason():
+        return FaultTrial("stalwart", kind, None, None, str(unavailable_reason()))
+    chaos_kind = "kill-agent" if kind == "kill-node" else kind
+    scenario = from_mapping({
+        "name": f"bench-{kind}", "seed": index,
+        "cluster": {"etcd_members": 1, "daemons": 1, "nodes": 3, "workers_per_node": 1, "lease_ttl": 2},
+        "job": {**JOB, "steps": FAULT_AT_STEP + 50},
+        "fault": [{"kind": chaos_kind, "at_step": FAULT_AT_STEP, "node": "node2", "duration": 4.0}],
+    })
+    report = Runner(scenario, workdir / f"stalwart-{kind}-{index}", progress=lambda line: None, timeout=timeout + 150,
+                    reference=False).run()
+    if not report.faults:
+        return FaultTrial("stalwart", kind, None, None, "; ".join(report.notes) or "not injected")
+    f = report.faults[0]
+    failed = [name for name, ok in report.checks.items() if not ok]
+    return FaultTrial("stalwart", kind, f.detection_s, f.recovery_s,
+                      "resumed" if not failed else f"checks failed: {failed}")
+
+
+def _workers(torchrun: subprocess.Popen[bytes]) -> set[int]:
+    import psutil
+
+    try:
+        return {c.pid for c in psutil.Process(torchrun.pid).children() if c.status() != psutil.STATUS_ZOMBIE}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def torchrun_trial(kind: str, workdir: Path, index: int, timeout: float) -> FaultTrial:
+    if kind == "network-cut":
+        return FaultTrial("c10d", kind, None, None, "not measured: torchrun's simulated nodes share loopback here")
+    log = workdir / f"c10d-{kind}-{index}.jsonl"
+    job = f"bench-c10d-{kind}-{index}-{os.getpid()}"
+    endpoint = f"127.0.0.1:{free_port()}"
+    built = REPO / ".venv" / "torch_extensions"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(built)))
+    nodes: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in range(3):
+            args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
+                    "--max-restarts", "20", "--monitor-interval", "0.2", "--local-addr", "127.0.0.1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--rdzv-conf", TIMING,
+                    str(GPT), "--ckpt-dir", str(workdir / f"c10d-{kind}-{index}-ckpt"), "--steps", "100000",
+                    "--global-batch", str(JOB["global_batch"]), "--micro-batch", str(JOB["micro_batch"]),
+                    "--dataset-len", str(JOB["samples"]), "--zero-stage", str(JOB["zero_stage"]),
+                    "--save-every", str(JOB["checkpoint_every"]), "--steps-log", str(log),
+                    "--step-sleep", str(JOB["step_time"]), "--dropout", "0"]
+            with open(workdir / f"c10d-{kind}-{index}-node{i}.out", "ab") as out:
+                nodes.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+            if i == 0:
+                time.sleep(1.0)  # node0 hosts c10d's store; the victim is node2
+        deadline = time.monotonic() + 180
+        while not any(r.get("event") == "step" and r.get("world_size") == 3 and r["step"] >= FAULT_AT_STEP
+                      for r in rows(log)):
+            if time.monotonic() > deadline:
+                return FaultTrial("c10d", kind, None, None, "never trained at world size 3")
+            time.sleep(0.1)
+        victim = nodes[2]
+        survivors = nodes[:2] if kind == "kill-node" else nodes
+        before = [_workers(n) for n in survivors]
+        worker = min(_workers(victim))
+        fault_at = time.time()
+        if kind == "kill-worker":
+            os.kill(worker, 9)
+        elif kind == "kill-node":
+            kill_tree(victim.pid)
+        elif kind == "hang-worker":
+            os.kill(worker, 19)  # SIGSTOP
+        detected: float | None = None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            now = time.time()
+            if detected is None and any(_workers(n) != b - {worker} for n, b in zip(survivors, before, strict=True)):
+                detected = now - fault_at  # a torchrun stopped or replaced a worker: the fault was acted on
+            events = [r for r in rows(log) if r.get("t", 0) > fault_at]
+            restores = [r["t"] for r in events if r.get("event") == "restore"]
+            if restores:
+                steps = [r["t"] for r in events if r.get("event") == "step" and r["t"] > min(restores)]
+                if steps:
+                    return FaultTrial("c10d", kind, detected, min(steps) - fault_at, "resumed")
+            time.sleep(0.05)
+        return FaultTrial("c10d", kind, detected, None, f"no resumed step within {timeout:g} s")
+    finally:
+        for p in nodes:
+            kill_tree(p.pid)
+            p.wait()
+
+
+def faults_suite(args: argparse.Namespace) -> int:
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    if unknown:
+        print(f"unknown fault kind {unknown[0]!r} (known: {list(FAULT_KINDS)})", file=sys.stderr)
+        return 2
+    trials: list[FaultTrial] = []
+    with tempfile.TemporaryDirectory(prefix="stalwart-faults-") as tmp:
+        workdir = Path(tmp)
+        for kind in kinds:
+            for system in ("stalwart", "c10d"):
+                for i in range(args.trials):
+                    fn = stalwart_trial if system == "stalwart" else torchrun_trial
+                    t = fn(kind, workdir, i, args.timeout)
+                    trials.append(t)
+                    fmt = lambda v: f"{v:.2f} s" if v is not None else "-"  # noqa: E731
+                    print(f"[{kind} {system} {i + 1}/{args.trials}] detected {fmt(t.detected_s)}, "
+                          f"resumed {fmt(t.resumed_s)}: {t.detail}", flush=True)
+                    if t.detail.startswith("not measured") or "root" in t.detail:
+                        break  # the same for every trial
+
+    def med(kind: str, system: str, attr: str) -> float | None:
+        values = [getattr(t, attr) for t in trials if t.kind == kind and t.system == system
+                  and getattr(t, attr) is not None]
+        return statistics.median(values) if values else None
+
+    summary = []
+    for kind in kinds:
+        row: dict[str, object] = {"kind": kind}
+        for system in ("stalwart", "c10d"):
+            mine = [t for t in trials if t.kind == kind and t.system == system]
+            row[f"{system}_trials"] = len(mine)
+            row[f"{system}_resumed"] = sum(t.resumed_s is not None for t in mine)
+            row[f"{system}_detect_median_s"] = med(kind, system, "detected_s")
+            row[f"{system}_resume_median_s"] = med(kind, system, "resumed_s")
+        s_res, c_res = row["stalwart_resume_median_s"], row["c10d_resume_median_s"]
+        row["ratio"] = (s_res / c_res if isinstance(s_res, float) and isinstance(c_res, float) else None)
+        summary.append(row)
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else "-"  # noqa: E731
+    print()
+    print(f"{'fault':<12} {'stalwart detect':>15} {'resumed':>8} {'ok':>5}   {'c10d detect':>11} {'resumed':>8} "
+          f"{'ok':>5}   {'ratio':>5}")
+    for r in summary:
+        print(f"{r['kind']:<12} {fmt(r['stalwart_detect_median_s']):>15} {fmt(r['stalwart_resume_median_s']):>8} "
+              f"{r['stalwart_resumed']}/{r['stalwart_trials']:<3}   {fmt(r['c10d_detect_median_s']):>11} "
+              f"{fmt(r['c10d_resume_median_s']):>8} {r['c10d_resumed']}/{r['c10d_trials']:<3}   {fmt(r['ratio']):>5}")
+    print("(medians in seconds from the fault; ratio = stalwart resumed / c10d resumed; target <= 0.33)")
+    out = Path(args.out or REPO / "bench" / "results" / "faults.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": summary, "trials": [asdict(t) for t in trials], "job": JOB,
+                               "fault_at_step": FAULT_AT_STEP, "rdzv_conf": TIMING, "timeout_s": args.timeout},
+                              indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=5, help="trials per mode")
+    parser.add_argument("--suite", choices=("faults", "rendezvous"), default="faults")
+    parser.add_argument("--kinds", default=",".join(FAULT_KINDS), help="faults suite: comma-separated kinds")
+    parser.add_argument("--trials", type=int, default=3, help="trials per mode (or per kind and system)")
     parser.add_argument("--stalwart-trials", type=int, default=None, help="override --trials for stalwart")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
     parser.add_argument("--timeout", type=float, default=40.0, help="seconds to wait for recovery")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default: bench/results/<suite>.json)")
     args = parser.parse_args()
+    if args.suite == "faults":
+        return faults_suite(args)
+    args.out = args.out or str(REPO / "bench" / "results" / "recovery.json")
 
     trials: list[Trial] = []
     with tempfile.TemporaryDirectory(prefix="stalwart-recovery-") as tmp:
