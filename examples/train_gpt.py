@@ -112,6 +112,8 @@ def main() -> None:
     health.add_argument("--skip-last", type=int, default=HealthConfig.skip_last, help="batches, with --skip last_k")
     health.add_argument("--max-rollbacks", type=int, default=HealthConfig.max_rollbacks)
     health.add_argument("--rollback-window", type=int, default=HealthConfig.rollback_window, help="steps")
+    health.add_argument("--max-skipped-updates", type=int, default=HealthConfig.max_skipped_updates,
+                        help="fp16 overflow: this many skipped updates in a row are a fault")
     health.add_argument("--inject-nan-step", type=int, action="append", default=[],
                         help="the loss of this step becomes NaN on --inject-rank (once; repeatable)")
     health.add_argument("--inject-spike-step", type=int, action="append", default=[],
@@ -150,6 +152,7 @@ def main() -> None:
             enabled=not args.no_health, spike_window=args.spike_window, spike_threshold=args.spike_threshold,
             spike_min_history=args.spike_min_history, spike_rel_floor=args.spike_rel_floor, skip=args.skip,
             skip_last=args.skip_last, max_rollbacks=args.max_rollbacks, rollback_window=args.rollback_window,
+            max_skipped_updates=args.max_skipped_updates,
         ),
     )  # fmt: skip
     trainer = Trainer.initialize(model, ds_config, config, optimizer=optimizer)

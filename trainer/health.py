@@ -18,6 +18,8 @@ A step is a **fault** when
 A step whose optimizer update the engine skipped (fp16 overflow: DeepSpeed's loss scaler lowers
 the scale and drops the step, ``engine.skipped_steps`` grows) is never a fault: no weight changed,
 and overflows are how dynamic loss scaling finds its scale. Its loss stays out of the history.
+But ``max_skipped_updates`` skipped updates in a row are a fault (``skipped_updates``): a scale
+that never recovers means the gradients are NaN whatever the scale, and the job makes no progress.
 
 A fault makes the trainer roll back to the newest checkpoint before it and skip the data that led
 to it (:class:`Rollback`). More than ``max_rollbacks`` faults within ``rollback_window`` steps
@@ -53,6 +55,7 @@ class HealthConfig:
     checkpoint up to and including the fault step) or ``"last_k"`` (the last ``skip_last`` batches
     up to the fault step; the batches before them are trained again, on the same samples).
     ``check_grad_norm``: also treat a non-finite global gradient norm as a fault.
+    ``max_skipped_updates``: this many consecutive updates skipped by the engine are a fault.
     """
 
     enabled: bool = True
@@ -65,6 +68,7 @@ class HealthConfig:
     skip_last: int = 1
     max_rollbacks: int = 3
     rollback_window: int = 1000
+    max_skipped_updates: int = 50
 
     def __post_init__(self) -> None:
         if self.spike_window < 3:
@@ -85,11 +89,14 @@ class HealthConfig:
             raise ValueError(f"max_rollbacks must be >= 0, got {self.max_rollbacks}")
         if self.rollback_window < 1:
             raise ValueError(f"rollback_window must be >= 1 step, got {self.rollback_window}")
+        if self.max_skipped_updates < 1:
+            raise ValueError(f"max_skipped_updates must be >= 1, got {self.max_skipped_updates}")
 
 
 @dataclass(frozen=True)
 class Fault:
-    """Why a step is a fault: ``kind`` is ``nonfinite_loss``, ``nonfinite_grad_norm`` or ``spike``."""
+    """Why a step is a fault: ``kind`` is ``nonfinite_loss``, ``nonfinite_grad_norm``, ``spike`` or
+    ``skipped_updates``."""
 
     step: int
     kind: str
@@ -120,6 +127,7 @@ class HealthMonitor:
     def __init__(self, config: HealthConfig, history: Iterable[Sequence[float]] = ()) -> None:
         self.config = config
         self._history: deque[tuple[int, float]] = deque(maxlen=config.spike_window)
+        self._skipped_run = 0  # consecutive updates the engine skipped, up to the last accepted step
         for step, loss in history:
             self._history.append((int(step), float(loss)))
 
@@ -132,7 +140,13 @@ class HealthMonitor:
         """The fault of ``step`` or ``None``. ``loss`` is the mean over ranks; ``loss_finite`` is
         False when any rank's loss was not finite; ``update_skipped``: the engine dropped the update."""
         c = self.config
-        if not c.enabled or update_skipped:
+        if not c.enabled:
+            return None
+        if update_skipped:
+            if self._skipped_run + 1 >= c.max_skipped_updates:
+                return Fault(step, "skipped_updates", f"{self._skipped_run + 1} updates in a row skipped by the "
+                                                      f"engine (overflow) up to step {step}: the loss scale does "
+                                                      f"not recover")  # fmt: skip
             return None
         if not loss_finite or not math.isfinite(loss):
             return Fault(step, "nonfinite_loss", f"loss is {loss} at step {step}")
@@ -149,6 +163,7 @@ class HealthMonitor:
 
     def accept(self, step: int, loss: float, *, update_skipped: bool = False) -> None:
         """Add a healthy step's loss to the window (skipped updates and non-finite losses stay out)."""
+        self._skipped_run = self._skipped_run + 1 if update_skipped else 0
         if not update_skipped and math.isfinite(loss):
             self._history.append((step, float(loss)))
 

@@ -403,7 +403,10 @@ class Trainer:
         rollback = Rollback(s, restored.step, fault.reason, windows_of(skipped))
         self.ledger.add(rollback)
         if self.rank == 0:
-            write_journal(self.config.checkpoint_dir, self.ledger)
+            try:
+                write_journal(self.config.checkpoint_dir, self.ledger)
+            except OSError as exc:  # the checkpoints still carry it from the next save on
+                log.error("rank 0 step %d: cannot write the rollback journal: %s", s, exc)
         windows = [{**w.to_json(), "samples": [i for b in skipped if b.epoch == w.epoch for i in b.samples]}
                    for w in rollback.windows]
         self.recorder.write("rollback", step=restored.step, fault_step=s, kind=fault.kind, reason=fault.reason,

@@ -116,6 +116,18 @@ def test_fp16_overflow_steps_the_engine_skipped_are_not_faults_and_stay_out_of_t
     assert m.check(12, math.nan) is not None  # the same values on an applied update are faults
 
 
+def test_a_long_run_of_skipped_updates_is_a_fault() -> None:
+    """A loss scale that never recovers: the gradients are NaN whatever the scale."""
+    m = HealthMonitor(HealthConfig(max_skipped_updates=3))
+    for step in (1, 2):
+        assert m.check(step, 2.0, grad_norm=math.inf, update_skipped=True) is None
+        m.accept(step, 2.0, update_skipped=True)
+    fault = m.check(3, 2.0, grad_norm=math.inf, update_skipped=True)
+    assert fault is not None and fault.kind == "skipped_updates"
+    m.accept(3, 2.0)  # an applied update ends the run
+    assert m.check(4, 2.0, update_skipped=True) is None
+
+
 def test_disabled_checks_never_fault() -> None:
     assert HealthMonitor(HealthConfig(enabled=False)).check(1, math.nan, grad_norm=math.nan) is None
 
@@ -137,6 +149,7 @@ def test_history_keeps_the_last_window_and_round_trips() -> None:
     ({"skip_last": 0}, "skip_last"),
     ({"max_rollbacks": -1}, "max_rollbacks"),
     ({"rollback_window": 0}, "rollback_window"),
+    ({"max_skipped_updates": 0}, "max_skipped_updates"),
 ])
 def test_health_config_is_validated(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -144,6 +144,16 @@ def test_repeated_faults_beyond_the_limit_stop_with_exit_status_3_also_after_a_r
     assert _of(events2, "fault")[0]["samples"] == run1_steps[-1]["samples"] != run1_steps[0]["samples"]
 
 
+def test_a_fault_before_the_first_checkpoint_stops_the_job(ds_env: dict[str, str], tmp_path: Path) -> None:
+    """Nothing to roll back to (the initial weights are not saved): the job stops, saying why."""
+    rc = _solo(ds_env, tmp_path, "run", "--steps", "8", "--inject-nan-step", "3")
+    assert rc == EXIT_DIVERGED, tail(tmp_path / "run.log")
+    events = read_events(str(tmp_path / "steps.jsonl"))
+    assert [e["event"] for e in events] == ["restore", "step", "step", "fault", "gave_up"]
+    assert "no good checkpoint before step 3" in events[-1]["reason"]
+    assert list_checkpoints(str(tmp_path / "ckpt")) == []
+
+
 def test_fp16_overflow_steps_deepspeed_skipped_are_not_faults(ds_env: dict[str, str], tmp_path: Path) -> None:
     """A loss scale of 2**24 overflows fp16 gradients: DeepSpeed drops those updates (grad norm
     inf) and lowers the scale. They are recorded as steps, not rolled back."""
