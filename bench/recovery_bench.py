@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -309,6 +310,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=40.0, help="seconds to wait for recovery")
     parser.add_argument("--out", default=None, help="JSON path (default: bench/results/<suite>.json)")
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so every trial's processes are torn down by its ``finally``.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.suite == "faults":
         return faults_suite(args)
     args.out = args.out or str(REPO / "bench" / "results" / "recovery.json")
