@@ -32,11 +32,23 @@ def _tables() -> list[tuple[str, type, str]]:
     return [("daemon", DaemonSettings, ""), ("etcd", EtcdConfig, "etcd-"), ("policy", RoundPolicy, "")]
 
 
-def _flag_type(hint: object) -> type:
+def _flag_type(hint: object) -> object:
     for t in (int, float):
         if hint is t:
             return t
+    if hint is bool:
+        return _boolean
     return str
+
+
+def _boolean(text: str) -> bool:
+    """A flag for a boolean setting: true/false (also yes/no, 1/0)."""
+    value = text.strip().lower()
+    if value in ("true", "yes", "1", "on"):
+        return True
+    if value in ("false", "no", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
