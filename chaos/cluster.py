@@ -124,7 +124,8 @@ class LocalCluster:
                 "--metrics-port", "0", "--health-port", "0", "--min-nodes", str(c.min_nodes),
                 "--max-nodes", str(c.nodes), "--node-quantum", str(c.node_quantum), "--join-timeout", "3",
                 "--regrow-cooldown", "0", "--stall-timeout", "300", "--quarantine-faults", "100",
-                "--master-port", str(self.master_port)]
+                "--master-port", str(self.master_port),
+                "--exclude-stragglers", "true" if c.exclude_stragglers else "false"]
         self.daemons[name] = self._spawn(name, args)
 
     def job_command(self) -> list[str]:
@@ -167,6 +168,11 @@ class LocalCluster:
         assert self.client is not None
         kv = self.client.get(self.keys.leader)
         return records_pb2.LeaderRecord.FromString(kv.value).daemon_id if kv else None
+
+    def daemon_status(self) -> records_pb2.DaemonStatus | None:
+        assert self.client is not None
+        kv = self.client.get(self.keys.status)
+        return records_pb2.DaemonStatus.FromString(kv.value) if kv else None
 
     def agent_address(self, node: str) -> str | None:
         assert self.client is not None

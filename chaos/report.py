@@ -63,6 +63,9 @@ class RunReport:
     corrupt_loads: int = 0
     checks: dict[str, bool] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    stragglers: list[str] = field(default_factory=list)  # nodes the daemon named stragglers during the run
+    rollbacks: int = 0  # training-health rollbacks (NaN/inf, loss spikes)
+    skipped_samples: int = 0  # samples those rollbacks skipped
 
     @property
     def passed(self) -> bool:
@@ -122,6 +125,9 @@ def markdown(report: RunReport, picture: str | None) -> str:
              f"last committed step {report.final_committed_step} of {report.target_steps}, "
              f"goodput {report.goodput:.1%}, lost committed steps {report.lost_committed_steps}, "
              f"corrupt loads {report.corrupt_loads}.", ""]
+    if report.rollbacks or report.stragglers:
+        lines += [f"Training health: {report.rollbacks} rollbacks skipping {report.skipped_samples} samples; "
+                  f"stragglers: {', '.join(report.stragglers) or 'none'}.", ""]
     if picture:
         lines += [f"![timeline]({picture})", ""]
     lines += ["| fault | target | injected at s | detected after s | resumed after s | detail |",

@@ -95,6 +95,7 @@ class _Run:
         self.faults: list[_Active] = []
         self.corrupted: set[int] = set()
         self.notes: list[str] = []
+        self.straggler_seen: set[str] = set()
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -242,6 +243,25 @@ class _Run:
             # Corruption shows only when a checkpoint is loaded: force a restore by killing a worker.
             c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=agent_pb2.FAULT_KILL_WORKER, device=0))
             return f"flipped a byte in checkpoint {step}, then killed a worker to force a restore"
+        if kind in ("nan-loss", "loss-spike"):
+            # A step far enough ahead that the command reaches the trainer before it runs.
+            step = self._last_step() + 3
+            factor = a.spec.factor or 1000.0
+            fault = agent_pb2.FAULT_NAN_LOSS if kind == "nan-loss" else agent_pb2.FAULT_LOSS_SPIKE
+            reply = c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(
+                kind=fault, device=a.spec.rank, step=step, factor=factor))
+            if not reply.applied:  # type: ignore[attr-defined]
+                raise RuntimeError(reply.detail)  # type: ignore[attr-defined]
+            return f"step {step}: {reply.detail}"  # type: ignore[attr-defined]
+        if kind == "slow-worker":
+            factor = a.spec.factor or 2.0
+            reply = c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(
+                kind=agent_pb2.FAULT_SLOW_WORKER, device=a.spec.rank, factor=factor))
+            if not reply.applied:  # type: ignore[attr-defined]
+                raise RuntimeError(reply.detail)  # type: ignore[attr-defined]
+            a.undo_at = a.record.injected_at + a.spec.duration
+            a.undo = lambda: c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR))
+            return f"{reply.detail} for {a.spec.duration:g} s"  # type: ignore[attr-defined]
         if kind == "network-cut":
             net = c.net
             if net is None:
@@ -296,6 +316,24 @@ class _Run:
                     r.detail += "; no checkpoint was attempted while the disk was full: no effect"
                     self.notes.append(f"fill-disk at {r.injected_at:.1f} s had no effect: no save while full")
                 continue
+            if r.kind in ("nan-loss", "loss-spike"):
+                # Detected when the trainer rolls back; resumed at the first step after that.
+                if r.detected_at is None:
+                    r.detected_at = self._first_event_after("rollback", r.injected_at)
+                if r.detected_at is not None and r.resumed_at is None:
+                    r.resumed_at = self._first_event_after("step", r.detected_at)
+                continue
+            if r.kind == "slow-worker":
+                # Detected when the daemon names the node a straggler. The job never stops for it:
+                # resumed is the first step after that (after the round without it, when excluded).
+                if r.detected_at is None and r.target in self._stragglers():
+                    r.detected_at = now
+                    self.straggler_seen.add(r.target)
+                if r.detected_at is not None and r.resumed_at is None:
+                    after = next((x.t for x in self.rounds if x.number > a.round_before and x.t >= r.detected_at),
+                                 r.detected_at) if self.s.cluster.exclude_stragglers else r.detected_at
+                    r.resumed_at = self._first_event_after("step", after)
+                continue
             if r.detected_at is None:
                 if r.kind == "kill-daemon":
                     leader = self.cluster.leader()
@@ -311,6 +349,13 @@ class _Run:
                 if after:
                     r.resumed_at = min(after)
 
+    def _stragglers(self) -> set[str]:
+        try:
+            status = self.cluster.daemon_status()
+        except Exception:  # etcd between members: next time
+            return set()
+        return {st.node_id for st in status.stragglers} if status is not None else set()
+
     def _first_event_after(self, kind: str, t: float) -> float | None:
         times = [float(e["t"]) - self.t0 for e in self.events if e.get("event") == kind]  # type: ignore[arg-type]
         return min((x for x in times if x > t), default=None)
@@ -318,7 +363,7 @@ class _Run:
     # -- results ---------------------------------------------------------------------------------
 
     def _result(self) -> _Result:
-        from stalwart.trainer.record import committed_steps  # the record's format is the trainer's
+        from stalwart.trainer.record import committed_steps, skipped_samples  # the record's format is the trainer's
 
         wall = self.now()
         committed = committed_steps(self.events)
@@ -334,17 +379,29 @@ class _Run:
             scenario=self.s.name, wall_s=wall, target_steps=self.s.job.steps, samples=samples,
             faults=[a.record for a in self.faults], rounds=self.rounds, final_committed_step=last_commit,
             lost_committed_steps=lost, corrupt_loads=corrupt_loads, notes=self.notes,
+            stragglers=sorted(self.straggler_seen | self._stragglers()),
+            rollbacks=sum(e.get("event") == "rollback" for e in self.events),
         )
+        skipped = skipped_samples(self.events)
+        report.skipped_samples = sum(len(v) for v in skipped.values())
         report.checks["reached the last step"] = self._finished()
+        used_in = {(int(ev.get("epoch", 0)), i) for ev in committed.values()  # type: ignore[call-overload]
+                   for i in ev.get("samples", [])}  # type: ignore[union-attr]
+        skipped_in = {(e, i) for e, ids in skipped.items() for i in ids}
         report.checks["every sample used exactly once"] = (
             len(used) == len(set(used)) and (len(used) == expected or not self._finished())
-            and sorted(committed) == list(range(1, len(committed) + 1)))
+            and sorted(committed) == list(range(1, len(committed) + 1)) and not used_in & skipped_in)
         report.checks["no corrupt checkpoint loaded"] = corrupt_loads == 0
         report.checks["no committed step lost"] = lost == 0
         effective = [a for a in self.faults if not a.moot]
         report.checks["every fault detected"] = all(a.record.detected_at is not None for a in effective)
         report.checks["resumed after every fault"] = all(a.record.resumed_at is not None for a in effective)
         losses = {k: float(v["loss"]) for k, v in committed.items()}  # type: ignore[arg-type]
+        rolled = [int(e["step"]) for e in self.events if e.get("event") == "rollback"]  # type: ignore[call-overload]
+        if rolled:
+            # Skipped data changes every later loss: only the steps before it can match the reference.
+            losses = {k: v for k, v in losses.items() if k <= min(rolled)}
+            self.notes.append(f"losses compared up to step {min(rolled)}, the first rollback")
         return _Result(report, losses)
 
     def _losses_of_restores(self) -> tuple[int, int]:
@@ -355,7 +412,7 @@ class _Run:
         for e in self.events:
             if e.get("event") == "commit":
                 commits.add(int(e["step"]))  # type: ignore[call-overload]
-            elif e.get("event") == "restore":
+            elif e.get("event") in ("restore", "rollback"):
                 step = int(e["step"])  # type: ignore[call-overload]
                 if step in self.corrupted:
                     corrupt += 1

@@ -44,6 +44,9 @@ FAULT_KINDS = (
     "kill-agent",  # SIGKILL a node's agent (its workers die with it)
     "kill-daemon",  # SIGKILL the daemon leader
     "kill-etcd",  # SIGKILL one etcd member
+    "nan-loss",  # the trainer of one rank sees a NaN loss a few steps later (through the agent)
+    "loss-spike",  # the same with the loss multiplied by `factor`
+    "slow-worker",  # the agent throttles one worker to 1/`factor` speed for `duration` seconds
 )
 
 
@@ -61,6 +64,7 @@ class ClusterSpec:
     min_nodes: int = 1
     node_quantum: int = 1
     checkpoint_fs_mb: int = 64  # size of the checkpoint tmpfs, when a fill-disk fault needs one
+    exclude_stragglers: bool = False  # the daemons take a straggler out at the next checkpoint
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,8 @@ class FaultSpec:
     node: str | None = None
     rank: int = 0  # local rank for worker faults, device for GPU faults
     code: int = 79  # Xid for gpu-fault
-    duration: float = 5.0  # network-cut, fill-disk: seconds until the link comes back or the disk is freed
+    duration: float = 5.0  # network-cut, fill-disk, slow-worker: seconds until the fault is undone
+    factor: float = 0.0  # loss-spike: loss multiplier (default 1000); slow-worker: slow-down (default 2)
 
 
 @dataclass(frozen=True)
