@@ -18,6 +18,7 @@ from trainer_testlib import REPO, Torchrun, tail
 
 from stalwart.ckpt import list_checkpoints
 from stalwart.trainer import EXIT_DIVERGED, GlobalBatchSampler, committed_steps, read_events, skipped_samples
+from stalwart.trainer.health import read_journal
 
 SCRIPT = str(REPO / "examples" / "train_gpt.py")
 DATASET_LEN, GLOBAL_BATCH = 120, 12  # 10 steps per epoch
@@ -116,6 +117,19 @@ def test_injected_spike_rolls_back_and_skips_only_the_last_batch(ds_env: dict[st
     assert fault["samples"] == order[72:84] and again[7]["samples"] == order[84:96]
     used = _check_accounting(events, 12)
     assert sorted([*used[0], *skipped_samples(events)[0]]) == list(range(DATASET_LEN))
+
+    # Restart from step 12 without the journal: the checkpoint alone carries the rollback (its
+    # skipped window) and the loss history, so a spike right after the restart is caught at once.
+    (tmp_path / "ckpt" / "health-rollbacks.json").unlink()
+    rc = _solo(ds_env, tmp_path, "run2", "--steps", "16", "--inject-spike-step", "13", "--spike-factor", "30",
+               "--spike-min-history", "5", "--skip", "last_k", "--skip-last", "1")
+    assert rc == 0, tail(tmp_path / "run2.log")
+    events2 = read_events(str(tmp_path / "steps.jsonl"))[len(events):]
+    assert [(e["event"], e["step"]) for e in events2 if e["event"] in ("restore", "fault", "rollback")] == [
+        ("restore", 12), ("fault", 13), ("rollback", 12)]
+    assert events2[0]["rollbacks"] == 1
+    assert len(read_journal(str(tmp_path / "ckpt"))) == 2
+    _check_accounting(events + events2, 16)
 
 
 def test_repeated_faults_beyond_the_limit_stop_with_exit_status_3_also_after_a_restart(
