@@ -81,6 +81,17 @@ def synthetic_corpus(length: int, vocab: int, seed: int = 1234) -> torch.Tensor:
     return out
 
 
+def simulated_compute(seconds: float, tick: float = 0.005) -> None:
+    """Stand in for ``seconds`` of accelerator work without burning CPU: sleep in short ticks and
+    count only the time the process was running. A plain sleep would run on while the process is
+    stopped, so a throttled (slow) worker would not be slower; this one is, like a slow GPU."""
+    done = 0.0
+    while done < seconds:
+        start = time.monotonic()
+        time.sleep(tick)
+        done += min(time.monotonic() - start, 2 * tick)  # a tick that spanned a stop counts once
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt-dir", required=True)
@@ -95,7 +106,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps")
     parser.add_argument("--save-every-seconds", type=float, default=None)
     parser.add_argument("--steps-log", default=None, help="rank 0 appends the step record here")
-    parser.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (to watch it)")
+    parser.add_argument("--step-sleep", type=float, default=0.0,
+                        help="simulated accelerator seconds per step (to watch it; a throttled worker is slower)")
     parser.add_argument("--crash-at-step", type=int, default=None, help="SIGKILL one rank after this step")
     parser.add_argument("--crash-rank", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
@@ -182,7 +194,7 @@ def train(trainer: Trainer, corpus: torch.Tensor, args: argparse.Namespace) -> N
             losses.append(loss.item())
         trainer.step_done(sum(losses) / len(losses))
         if args.step_sleep:
-            time.sleep(args.step_sleep)
+            simulated_compute(args.step_sleep)
         if args.crash_at_step == trainer.step and trainer.rank == args.crash_rank:
             # Let the checkpoint in flight commit first, so a test knows where the restart resumes;
             # then the worker dies: no cleanup, no final checkpoint.
