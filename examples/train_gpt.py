@@ -89,7 +89,7 @@ def simulated_compute(seconds: float, tick: float = 0.005) -> None:
     while done < seconds:
         start = time.monotonic()
         time.sleep(tick)
-        done += min(time.monotonic() - start, 2 * tick)  # a tick that spanned a stop counts once
+        done += min(time.monotonic() - start, 1.5 * tick)  # a tick that spanned a stop counts once
 
 
 def main() -> None:
