@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stalwart.trainer import EXIT_DIVERGED, HealthConfig, Trainer, TrainerConfig, TrainingDiverged
+from stalwart.trainer import EXIT_DIVERGED, HealthConfig, StepBatch, Trainer, TrainerConfig, TrainingDiverged
 
 
 class Block(nn.Module):
@@ -114,6 +114,11 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.1,
                         help="0 makes the loss independent of the world size (dropout masks follow the ranks)")
     parser.add_argument("--initial-scale-power", type=int, default=12, help="fp16: initial loss scale 2**N")
+    parser.add_argument("--loop", choices=("train", "batches"), default="train",
+                        help="train: Trainer.train runs the loop and re-forms in place when a peer is lost; "
+                             "batches: the script's own loop (a lost peer ends the process)")
+    parser.add_argument("--collective-timeout", type=float, default=TrainerConfig.collective_timeout_s,
+                        help="seconds a collective waits for a hung peer")
     health = parser.add_argument_group("training health (see stalwart.trainer.health)")
     health.add_argument("--no-health", action="store_true", help="no health checks, no rollbacks")
     health.add_argument("--spike-window", type=int, default=HealthConfig.spike_window)
@@ -160,6 +165,7 @@ def main() -> None:
         checkpoint_dir=args.ckpt_dir, global_batch=args.global_batch, micro_batch=args.micro_batch,
         dataset_len=args.dataset_len, total_steps=args.steps, seed=args.seed, save_every_steps=args.save_every,
         save_every_seconds=args.save_every_seconds, record_path=args.steps_log,
+        collective_timeout_s=args.collective_timeout,
         health=HealthConfig(
             enabled=not args.no_health, spike_window=args.spike_window, spike_threshold=args.spike_threshold,
             spike_min_history=args.spike_min_history, spike_rel_floor=args.spike_rel_floor, skip=args.skip,
@@ -174,32 +180,56 @@ def main() -> None:
         for step in args.inject_spike_step:
             trainer.inject_fault("spike", step, args.spike_factor)
     try:
-        train(trainer, corpus, args)
+        (train if args.loop == "train" else train_batches)(trainer, corpus, args)
     except TrainingDiverged as exc:
         logging.getLogger("train_gpt").error("rank %d: stopping: %s", trainer.rank, exc)
         sys.exit(EXIT_DIVERGED)
 
 
+def run_step(engine: object, batch: StepBatch, corpus: torch.Tensor, context: int) -> float:
+    """One global step: every micro batch of this rank; returns this rank's mean loss."""
+    losses = []
+    for indices in batch.micro_batches:
+        starts = torch.tensor(indices)
+        window = starts[:, None] + torch.arange(context + 1)
+        seq = corpus[window]
+        loss = engine(seq[:, :-1], seq[:, 1:])  # type: ignore[operator]
+        engine.backward(loss)  # type: ignore[attr-defined]
+        engine.step()  # type: ignore[attr-defined]
+        losses.append(loss.item())
+    return sum(losses) / len(losses)
+
+
+def maybe_crash(trainer: Trainer, args: argparse.Namespace) -> None:
+    if args.crash_at_step == trainer.step and trainer.rank == args.crash_rank:
+        # Let the checkpoint in flight commit first, so a test knows where the restart resumes;
+        # then the worker dies: no cleanup, no final checkpoint.
+        trainer.checkpointer.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train(trainer: Trainer, corpus: torch.Tensor, args: argparse.Namespace) -> None:
-    engine = trainer.engine
+    """Trainer.train runs the loop (and re-forms in place); the numerics are those of train_batches."""
+
+    def step(engine: object, batch: StepBatch) -> float:
+        if batch.step > trainer.restored.step + 1:  # after the previous step_done, as train_batches does
+            if args.step_sleep:
+                simulated_compute(args.step_sleep)
+            maybe_crash(trainer, args)
+        return run_step(engine, batch, corpus, args.context)
+
+    trainer.train(step)
+    if args.step_sleep:
+        simulated_compute(args.step_sleep)
+    maybe_crash(trainer, args)
+
+
+def train_batches(trainer: Trainer, corpus: torch.Tensor, args: argparse.Namespace) -> None:
     for batch in trainer.batches():
-        losses = []
-        for indices in batch.micro_batches:
-            starts = torch.tensor(indices)
-            window = starts[:, None] + torch.arange(args.context + 1)
-            seq = corpus[window]
-            loss = engine(seq[:, :-1], seq[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        trainer.step_done(sum(losses) / len(losses))
+        trainer.step_done(run_step(trainer.engine, batch, corpus, args.context))
         if args.step_sleep:
             simulated_compute(args.step_sleep)
-        if args.crash_at_step == trainer.step and trainer.rank == args.crash_rank:
-            # Let the checkpoint in flight commit first, so a test knows where the restart resumes;
-            # then the worker dies: no cleanup, no final checkpoint.
-            trainer.checkpointer.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
+        maybe_crash(trainer, args)
     trainer.finish()
 
 

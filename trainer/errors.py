@@ -71,3 +71,16 @@ class TrainingDiverged(TrainerError):
         self.step = step
         self.reason = reason
         self.rollbacks = rollbacks
+
+
+class ReformFailed(TrainerError):
+    """This rank cannot join the new world in place (no committed checkpoint to resume from, the
+    peers never came, the engine could not be rebuilt, no Reform arrived after a lost peer).
+
+    The process is in no usable state: the agent kills it and starts (or assigns) another worker
+    for its rank. ``round`` is the round it tried to join (``None``: none was offered).
+    """
+
+    def __init__(self, message: str, *, round: int | None = None) -> None:
+        super().__init__(message)
+        self.round = round

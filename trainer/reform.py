@@ -68,3 +68,98 @@ class ReformSpec:
 def is_spare(env: dict[str, str] | None = None) -> bool:
     """Whether this process was started as a warm spare (``STALWART_SPARE=1``)."""
     return (os.environ if env is None else env).get(ENV_SPARE, "0") == "1"
+
+
+# --- joining and leaving a world (imports torch on use) ------------------------------------------
+
+_COLLECTIVE_ERROR_MARKS = (
+    "connection closed by peer", "read error", "connection reset", "broken pipe", "timed out",
+    "connection refused", "no route to host", "gloo/transport",
+)
+
+_hosted_stores: dict[int, Any] = {}
+"""TCPStore servers this process hosts, by port: a rank 0 that is rank 0 again on the same port
+reuses its server (a second one could not bind), and servers of earlier rounds live on so a late
+peer of that round fails on its own timeout rather than on a refused connection."""
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a lost or hung peer seen through a collective (gloo raises
+    ``RuntimeError`` with "Connection closed by peer"/"Read error" when a peer dies and
+    "Timed out" after the group timeout when one hangs; NCCL raises ``DistBackendError``)."""
+    import torch.distributed as dist
+
+    kinds = tuple(k for k in (getattr(dist, "DistError", None), getattr(dist, "DistBackendError", None),
+                              getattr(dist, "DistNetworkError", None)) if k is not None)
+    if kinds and isinstance(exc, kinds):
+        return True
+    if not isinstance(exc, RuntimeError | ConnectionError | TimeoutError):
+        return False
+    text = str(exc).lower()
+    return any(mark in text for mark in _COLLECTIVE_ERROR_MARKS)
+
+
+def leave_world() -> None:
+    """Destroy every process group of this process and DeepSpeed's cached view of them.
+
+    ``deepspeed.comm.destroy_process_group`` destroys torch's groups (the default one, the
+    trainer's control group, the commit coordinator's, DeepSpeed's clone of the world) and drops
+    DeepSpeed's group references; ``cdb`` (DeepSpeed's backend object) is reset too, because it
+    caches the world's size and rank (its shared-memory op was set up for the old world).
+    A rank of a broken world must be able to leave: errors are logged, not raised.
+    """
+    import logging
+
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    logger = logging.getLogger(__name__)
+    try:
+        if ds_comm.cdb is not None and dist.is_initialized():
+            ds_comm.destroy_process_group()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - a broken group may refuse a clean teardown
+        logger.warning("leaving the old world: %s: %s", type(exc).__name__, exc)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as again:  # noqa: BLE001
+                logger.warning("destroying the default group again: %s", again)
+    groups._release_process_group_references(group=None)
+    ds_comm.cdb = None
+
+
+def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, join_timeout_s: float) -> None:
+    """Start this process's default process group as ``spec`` says, from a store of our own.
+
+    Rank 0 hosts a ``TCPStore`` on the round's port (or reuses the one it hosts there already);
+    the others connect to it, waiting up to ``join_timeout_s`` for it. Every round uses its own
+    key prefix (``round-<n>/``): torch's rendezvous keys would otherwise collide with a previous
+    round's on a reused store. ``collective_timeout_s`` becomes the groups' timeout: gloo's bound
+    on how long a collective waits for a hung peer. It is also made torch's default for groups
+    created later without a timeout (DeepSpeed's clone of the world group, which carries ZeRO's
+    gradient reductions, would otherwise wait 30 minutes).
+    """
+    import datetime
+
+    import deepspeed
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if dist.is_initialized():
+        raise RuntimeError("join_world: this process is still in a world (call leave_world first)")
+    os.environ.update(spec.env())
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    c10d.default_pg_timeout = timeout  # groups made later without a timeout (see the docstring)
+    store = _hosted_stores.get(spec.master_port) if spec.rank == 0 else None
+    if store is None:
+        store = dist.TCPStore(spec.master_addr, spec.master_port, None, spec.rank == 0,
+                              timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
+        if spec.rank == 0:
+            _hosted_stores[spec.master_port] = store
+    prefixed = dist.PrefixStore(f"round-{spec.round}/", store)
+    dist.init_process_group(backend, store=prefixed, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    # DeepSpeed wraps the initialized torch world in a fresh backend object (``cdb``).
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)

@@ -30,19 +30,30 @@ Order of events on every rank (all ranks must call the same methods in the same 
    not recorded as progress and not saved: the trainer restores, in-process, the newest checkpoint
    before it, skips the data that led to it and goes on from the restored step (the next batch is
    the one after the skipped data). Too many faults raise :class:`TrainingDiverged`.
+6. In-place re-form (``reform.py``): with :meth:`Trainer.train` the trainer runs the loop, so it
+   can catch what a collective raises when a peer dies (gloo: "Connection closed by peer") or
+   hangs (after ``collective_timeout_s``). It then waits for the agent's Reform (the new world's
+   rank, size and master address), leaves the old process groups, joins the new world, rebuilds
+   the DeepSpeed engine for the same model and restores the last committed checkpoint resharded
+   to it, without restarting the process. A warm spare (``STALWART_SPARE=1``) waits in
+   :meth:`Trainer.initialize` for its assignment and joins the same way. The old
+   ``batches()``/``step_done()`` loop still works; it can only be restarted.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
+import gc
 import json
 import logging
 import math
+import os
 import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +78,14 @@ from stalwart.ckpt import (
 from stalwart.ckpt.storage import set_aside
 from stalwart.trainer.agent_client import AgentClient
 from stalwart.trainer.batching import DataPosition, GlobalBatchSampler, StepBatch, accumulation_steps
-from stalwart.trainer.errors import IncompatibleCheckpoint, StepOutOfOrder, TrainingDiverged, UnsupportedConfig
+from stalwart.trainer.errors import (
+    IncompatibleCheckpoint,
+    ReformFailed,
+    StepOutOfOrder,
+    TrainerError,
+    TrainingDiverged,
+    UnsupportedConfig,
+)
 from stalwart.trainer.health import (
     SKIP_LAST_K,
     Fault,
@@ -80,6 +98,7 @@ from stalwart.trainer.health import (
     write_journal,
 )
 from stalwart.trainer.record import StepRecorder
+from stalwart.trainer.reform import ReformSpec, is_collective_error, is_spare, join_world, leave_world
 from stalwart.trainer.zero_state import ZeroState
 
 log = logging.getLogger(__name__)
@@ -94,6 +113,15 @@ class TrainerConfig:
     for that rule); the time rule follows rank 0's clock. ``total_steps``: ``batches()`` ends there
     (``None``: never). ``record_path``: rank 0 appends the step record there (see ``record.py``).
     ``health``: the training-health checks and rollback policy (:class:`HealthConfig`).
+
+    ``collective_timeout_s`` is the process groups' timeout (gloo's, and torch's default for groups
+    made later, such as DeepSpeed's): how long a collective waits for a peer. A dead peer is seen
+    at once (its connection closes); a hung one (deadlock, SIGSTOP, its connection still open)
+    only when this runs out. So with :meth:`Trainer.train`, a survivor of a hung peer is out within
+    ``collective_timeout_s`` + the re-form time (joining, engine rebuild, restore: about a second
+    on a small model), once the agent's Reform has arrived. ``reform_wait_s``: after a collective
+    error, how long a survivor waits for that Reform before it raises :class:`ReformFailed`.
+    ``dist_timeout_s``: how long joining a world waits for its peers (store and rendezvous).
     """
 
     checkpoint_dir: str
@@ -110,6 +138,8 @@ class TrainerConfig:
     exit_on_sigterm: bool = True
     dist_timeout_s: float = 600.0
     commit_timeout_s: float = 600.0
+    collective_timeout_s: float = 30.0
+    reform_wait_s: float = 60.0
     health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
@@ -129,8 +159,8 @@ class TrainerConfig:
             raise ValueError(f"save_every_seconds must be positive or None, got {self.save_every_seconds}")
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
-        if self.dist_timeout_s <= 0 or self.commit_timeout_s <= 0:
-            raise ValueError("dist_timeout_s and commit_timeout_s must be positive")
+        if min(self.dist_timeout_s, self.commit_timeout_s, self.collective_timeout_s, self.reform_wait_s) <= 0:
+            raise ValueError("dist_timeout_s, commit_timeout_s, collective_timeout_s and reform_wait_s must be positive")
         if not isinstance(self.health, HealthConfig):
             raise ValueError(f"health must be a HealthConfig, got {type(self.health).__name__}")
 
@@ -150,53 +180,134 @@ def backend_for_device() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+@dataclass(frozen=True)
+class _OptimizerRecipe:
+    """How to build a torch optimizer like the one passed to :meth:`Trainer.initialize` again:
+    same class, same parameter groups (as indices into ``model.parameters()``), same
+    hyperparameters as at construction (the restored checkpoint sets the current ones)."""
+
+    cls: type
+    groups: list[tuple[list[int], dict[str, Any]]]
+
+    @classmethod
+    def capture(cls, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> _OptimizerRecipe:
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        groups = []
+        for g in optimizer.param_groups:
+            missing = [p for p in g["params"] if id(p) not in index]
+            if missing:
+                raise UnsupportedConfig("the optimizer holds tensors that are not parameters of the model")
+            hyper = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            groups.append(([index[id(p)] for p in g["params"]], hyper))
+        return cls(type(optimizer), groups)
+
+    def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        params = list(model.parameters())
+        return self.cls([{**copy.deepcopy(h), "params": [params[i] for i in idx]} for idx, h in self.groups])
+
+
+@dataclass
+class _EngineRecipe:
+    """What :meth:`Trainer.initialize` gave ``deepspeed.initialize``, kept to build the engine again
+    for another world without the user's help. ``unsupported`` says why that is impossible."""
+
+    model: torch.nn.Module
+    ds_config: dict[str, Any]
+    ds_kwargs: dict[str, Any]
+    optimizer: _OptimizerRecipe | None
+    unsupported: str | None = None
+
+    @classmethod
+    def capture(cls, model: torch.nn.Module, ds_config: dict[str, Any], ds_kwargs: dict[str, Any]) -> _EngineRecipe:
+        kwargs = dict(ds_kwargs)
+        optimizer = kwargs.pop("optimizer", None)
+        unsupported = None
+        recipe = None
+        if isinstance(optimizer, torch.optim.Optimizer):
+            recipe = _OptimizerRecipe.capture(optimizer, model)
+        elif optimizer is not None:  # a callable(params) -> optimizer can simply be called again
+            kwargs["optimizer"] = optimizer
+        if "model_parameters" in kwargs and kwargs["model_parameters"] is not None:
+            kwargs["model_parameters"] = list(kwargs["model_parameters"])
+        sched = kwargs.get("lr_scheduler")
+        if sched is not None and not callable(sched):
+            unsupported = "an lr_scheduler instance is bound to the first optimizer: pass a callable(optimizer)"
+        return cls(model, copy.deepcopy(ds_config), kwargs, recipe, unsupported)
+
+    def build(self, config: TrainerConfig, world: int) -> Any:
+        import deepspeed
+
+        gas = accumulation_steps(config.global_batch, config.micro_batch, world)  # fail before any work
+        wanted = {"train_batch_size": config.global_batch, "train_micro_batch_size_per_gpu": config.micro_batch}
+        for key, value in wanted.items():
+            if key in self.ds_config and self.ds_config[key] != value:
+                raise ValueError(f"ds_config[{key!r}] = {self.ds_config[key]} disagrees with TrainerConfig ({value})")
+        ds_config = {**copy.deepcopy(self.ds_config), **wanted, "gradient_accumulation_steps": gas}
+        kwargs = dict(self.ds_kwargs)
+        if self.optimizer is not None:
+            kwargs["optimizer"] = self.optimizer.build(self.model)
+        engine, *_ = deepspeed.initialize(model=self.model, config=ds_config, **kwargs)
+        return engine
+
+
+@dataclass
+class ReformTimings:
+    """Where the time of one in-place re-form went; wall-clock ``time.time()`` stamps, so a
+    harness can subtract them from the moment it killed a peer. ``first_step_at`` is set when the
+    first step after the re-form is done."""
+
+    round: int
+    world_size: int
+    rank: int
+    cause: str
+    error_seen_at: float | None
+    started_at: float
+    group_up_at: float = 0.0
+    engine_built_at: float = 0.0
+    restored_at: float = 0.0
+    first_step_at: float | None = None
+    restored_step: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _ReformPending(Exception):
+    """The agent sent a Reform between steps: leave the loop and re-form (not an error)."""
+
+
 class Trainer:
     """One per rank. Construct with :meth:`initialize`, or pass an engine you built yourself
-    (its batch sizes must match ``config``). Raises :class:`InvalidWorldSize`,
-    :class:`UnsupportedConfig`, :class:`IncompatibleCheckpoint`, or ckpt's
-    :class:`~stalwart.ckpt.CheckpointNotFound` when checkpoints exist but none is loadable."""
+    (its batch sizes must match ``config``; such a trainer cannot re-form in place). Raises
+    :class:`InvalidWorldSize`, :class:`UnsupportedConfig`, :class:`IncompatibleCheckpoint`, or
+    ckpt's :class:`~stalwart.ckpt.CheckpointNotFound` when checkpoints exist but none is loadable."""
 
     def __init__(self, engine: Any, config: TrainerConfig, *, agent: AgentClient | None = None,
-                 save_config: SaveConfig | None = None) -> None:
+                 save_config: SaveConfig | None = None, _recipe: _EngineRecipe | None = None,
+                 _required: bool = False) -> None:
         if not dist.is_initialized():
             raise UnsupportedConfig("torch.distributed must be initialized (Trainer.initialize does it)")
         self.engine = engine
         self.config = config
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.accumulation = accumulation_steps(config.global_batch, config.micro_batch, self.world_size)
-        self._check_engine()
-        self.state = ZeroState(engine)
-        timeout = datetime.timedelta(seconds=config.dist_timeout_s)
-        # The per-step agreement gets its own CPU group: it must not wait behind the persist
-        # thread's commit traffic, and must not need a GPU tensor.
-        self._control = dist.new_group(backend="gloo", timeout=timeout)
-        self._coord = TorchDistCoordinator(config.commit_timeout_s)
-        self.recorder = StepRecorder(config.record_path if self.rank == 0 else None)
-        self.agent = agent if agent is not None else AgentClient(rank=self.rank)
+        self._recipe = _recipe
+        self._save_config = save_config
+        self.round = int(os.environ.get("STALWART_ROUND", "0"))
+        self.agent = agent if agent is not None else AgentClient(rank=dist.get_rank())
         self.health = HealthMonitor(config.health)
         self.ledger = RollbackLedger()
         self.rollbacks = 0  # rollbacks done by this process
+        self.reforms: list[ReformTimings] = []  # in-place re-forms done by this process
         self._injected: dict[int, list[tuple[str, float]]] = {}
         self._inject_lock = threading.Lock()
-        restored = self._restore()
+        self._reform_lock = threading.Lock()
+        self._reform_spec: ReformSpec | None = None
+        self._reform_event = threading.Event()
+        self._first_step_pending: ReformTimings | None = None
+        self._attach(engine)
+        restored = self._restore(required=_required)
         assert restored is not None
-        self.restored = restored
-        self.sampler = self._sampler(restored.position)
-        self._skipped_seen = int(getattr(engine, "skipped_steps", 0))
-        base = save_config or SaveConfig(commit_timeout_s=config.commit_timeout_s)
-        retention = RetentionPolicy(keep_last=config.keep_last)
-        self.checkpointer = Checkpointer(
-            config.checkpoint_dir, SaveConfig(**{**base.__dict__, "retention": retention}),
-            coordinator=self._coord, on_commit=self._on_commit,
-        )  # fmt: skip
-        self.step = self.restored.step
+        self._resume(restored)
         self.stopped = False
-        self._batch: StepBatch | None = None
-        self._last_saved = self.restored.step
-        self._last_save_time = time.monotonic()
-        self._step_started = time.perf_counter()
-        self._pending: list[SaveHandle] = []
         self._sigterm = False
         self._closed = False
         # Python delivers signals to the main thread only; elsewhere the agent's SIGTERM is not seen.
@@ -205,31 +316,246 @@ class Trainer:
         set_fault_handler = getattr(self.agent, "set_fault_handler", None)
         if callable(set_fault_handler):  # the agent delivers chaos injections through it
             set_fault_handler(self.inject_fault)
+        set_reform_handler = getattr(self.agent, "set_reform_handler", None)
+        if callable(set_reform_handler):  # the agent delivers the next world through it
+            set_reform_handler(self.request_reform)
+
+    def _attach(self, engine: Any) -> None:
+        """Everything that belongs to one world: rank, groups, ZeRO view, checkpointer. The same
+        collectives in the same order on every rank, whether it starts, re-forms or was a spare."""
+        config = self.config
+        self.engine = engine
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.accumulation = accumulation_steps(config.global_batch, config.micro_batch, self.world_size)
+        self._check_engine()
+        self.state = ZeroState(engine)
+        timeout = datetime.timedelta(seconds=config.collective_timeout_s)
+        # The per-step agreement gets its own CPU group: it must not wait behind the persist
+        # thread's commit traffic, and must not need a GPU tensor.
+        self._control = dist.new_group(backend="gloo", timeout=timeout)
+        self._coord = TorchDistCoordinator(config.commit_timeout_s)
+        self.recorder = StepRecorder(config.record_path if self.rank == 0 else None)
+        base = self._save_config or SaveConfig(commit_timeout_s=config.commit_timeout_s)
+        retention = RetentionPolicy(keep_last=config.keep_last)
+        self.checkpointer = Checkpointer(
+            config.checkpoint_dir, SaveConfig(**{**base.__dict__, "retention": retention}),
+            coordinator=self._coord, on_commit=self._on_commit,
+        )  # fmt: skip
+
+    def _resume(self, restored: RestoreInfo) -> None:
+        """Continue from ``restored``: the step counter, data position and save bookkeeping."""
+        self.restored = restored
+        self.sampler = self._sampler(restored.position)
+        self._skipped_seen = int(getattr(self.engine, "skipped_steps", 0))
+        self.step = restored.step
+        self._batch: StepBatch | None = None
+        self._last_saved = restored.step
+        self._last_save_time = time.monotonic()
+        self._step_started = time.perf_counter()
+        self._pending: list[SaveHandle] = []
 
     @classmethod
     def initialize(cls, model: torch.nn.Module, ds_config: dict[str, Any], config: TrainerConfig, *,
-                   agent: AgentClient | None = None, **ds_kwargs: Any) -> Trainer:
+                   agent: AgentClient | None = None, assignment: Callable[[], ReformSpec] | None = None,
+                   **ds_kwargs: Any) -> Trainer:
         """Start torch.distributed if needed, check the world, then ``deepspeed.initialize``.
 
         ``ds_kwargs`` go to ``deepspeed.initialize`` (``optimizer``, ``model_parameters``,
         ``lr_scheduler``, ...). The batch sizes in ``ds_config`` are filled in for this world; any
-        already there must agree with ``config``.
+        already there must agree with ``config``. What is passed is kept to build the engine again
+        when the world changes (:meth:`reform`); a torch optimizer instance is rebuilt as one of
+        the same class with the same parameter groups and hyperparameters.
+
+        The world: under torchrun (its agent hosts the store) ``deepspeed.init_distributed``;
+        otherwise, with ``MASTER_PORT`` set, a store of our own (:func:`~stalwart.trainer.reform.join_world`,
+        so later rounds can reuse it). A warm spare (``STALWART_SPARE=1``) first waits for its
+        assignment: ``agent.wait_for_assignment()`` where the agent client has it, else
+        ``assignment()``; it then joins that world like a re-forming rank and restores the
+        checkpoint the survivors restore.
         """
         import deepspeed
+        import torch.distributed.distributed_c10d as c10d
 
-        if not dist.is_initialized():
-            deepspeed.init_distributed(
-                dist_backend=backend_for_device(), timeout=datetime.timedelta(seconds=config.dist_timeout_s)
-            )
-        world = dist.get_world_size()
-        gas = accumulation_steps(config.global_batch, config.micro_batch, world)  # fail before any work
-        wanted = {"train_batch_size": config.global_batch, "train_micro_batch_size_per_gpu": config.micro_batch}
-        for key, value in wanted.items():
-            if key in ds_config and ds_config[key] != value:
-                raise ValueError(f"ds_config[{key!r}] = {ds_config[key]} disagrees with TrainerConfig ({value})")
-        ds_config = {**ds_config, **wanted, "gradient_accumulation_steps": gas}
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config, **ds_kwargs)
-        return cls(engine, config, agent=agent)
+        recipe = _EngineRecipe.capture(model, ds_config, ds_kwargs)  # before DeepSpeed re-points the optimizer
+        spare = is_spare()
+        backend = backend_for_device()
+        if spare:
+            if agent is None:
+                agent = AgentClient(rank=0)
+            source = getattr(agent, "wait_for_assignment", None) or assignment
+            if source is None:
+                raise ReformFailed("a spare (STALWART_SPARE=1) needs an assignment: the agent client's "
+                                   "wait_for_assignment or Trainer.initialize(assignment=...)")
+            log.info("spare pid %d: model built, waiting for an assignment", os.getpid())
+            spec = source()
+            log.warning("spare pid %d: assigned rank %d of %d in round %d", os.getpid(), spec.rank,
+                        spec.world_size, spec.round)
+            os.environ.pop("STALWART_SPARE", None)
+            try:
+                join_world(spec, backend=backend, collective_timeout_s=config.collective_timeout_s,
+                           join_timeout_s=config.dist_timeout_s)
+            except Exception as exc:
+                raise ReformFailed(f"spare cannot join round {spec.round}: {exc}", round=spec.round) from exc
+        elif not dist.is_initialized():
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_PORT" not in os.environ:
+                c10d.default_pg_timeout = datetime.timedelta(seconds=config.collective_timeout_s)
+                deepspeed.init_distributed(
+                    dist_backend=backend, timeout=datetime.timedelta(seconds=config.collective_timeout_s)
+                )
+            else:
+                join_world(ReformSpec.from_env(), backend=backend, collective_timeout_s=config.collective_timeout_s,
+                           join_timeout_s=config.dist_timeout_s)
+        engine = recipe.build(config, dist.get_world_size())
+        return cls(engine, config, agent=agent, _recipe=recipe, _required=spare)
+
+    # --- in-place re-form ----------------------------------------------------------------------
+
+    def request_reform(self, spec: ReformSpec) -> None:
+        """Ask this rank to move to ``spec``'s world at the next step boundary (or at once, when a
+        collective failed). The agent client's Reform handler; thread-safe. A round not newer
+        than this rank's is ignored."""
+        with self._reform_lock:
+            pending = self._reform_spec
+            if spec.round <= self.round or (pending is not None and spec.round <= pending.round):
+                log.info("rank %d round %d: ignoring a Reform for round %d", self.rank, self.round, spec.round)
+                return
+            self._reform_spec = spec
+            self._reform_event.set()
+        log.warning("rank %d round %d step %d: Reform to rank %d of %d in round %d", self.rank, self.round,
+                    self.step, spec.rank, spec.world_size, spec.round)
+
+    def _take_reform(self) -> ReformSpec | None:
+        with self._reform_lock:
+            spec, self._reform_spec = self._reform_spec, None
+            self._reform_event.clear()
+            return spec
+
+    def _await_reform(self, cause: BaseException) -> ReformSpec:
+        """After a collective failed: the agent's Reform, or :class:`ReformFailed`."""
+        if not self._reform_event.wait(self.config.reform_wait_s):
+            raise ReformFailed(
+                f"rank {self.rank} round {self.round} step {self.step}: a collective failed ({cause}) and no "
+                f"Reform arrived within {self.config.reform_wait_s:g}s", round=self.round,
+            ) from cause  # fmt: skip
+        spec = self._take_reform()
+        assert spec is not None
+        return spec
+
+    def train(self, step_fn: Callable[[Any, StepBatch], float | torch.Tensor]) -> CommitInfo | None:
+        """Run the training loop to ``total_steps``, re-forming in place when the world changes.
+
+        ``step_fn(engine, batch)`` runs one global step: forward, ``engine.backward`` and
+        ``engine.step`` for each of ``batch.micro_batches``, and returns this rank's mean loss. It
+        must take the engine it is given (a re-form builds a new one). A collective error (a peer
+        died or hung past ``collective_timeout_s``) makes this rank wait for the agent's Reform and
+        re-form; a Reform that arrives between steps is applied there. Returns what
+        :meth:`finish` returns. Raises :class:`ReformFailed` when re-forming is impossible, and
+        whatever else ``step_fn`` raises.
+        """
+        while True:
+            error_seen: float | None = None
+            try:
+                for batch in self.batches():
+                    if self._reform_event.is_set():
+                        raise _ReformPending()
+                    loss = step_fn(self.engine, batch)
+                    self.step_done(loss)
+                if self._reform_event.is_set():
+                    raise _ReformPending()
+                return self.finish()
+            except _ReformPending:
+                spec = self._take_reform()
+                cause = "reform"
+            except Exception as exc:
+                if not is_collective_error(exc):
+                    raise
+                error_seen = time.time()
+                log.error("rank %d round %d step %d: collective failed: %s: %s", self.rank, self.round,
+                          self.step, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                spec = self._await_reform(exc)
+                cause = "collective_error"
+            if spec is not None:
+                self.reform(spec, cause=cause, error_seen_at=error_seen)
+
+    def reform(self, spec: ReformSpec, *, cause: str = "reform", error_seen_at: float | None = None) -> ReformTimings:
+        """Move this process to ``spec``'s world without restarting it.
+
+        Leaves the old world (the in-flight save is abandoned if it is not done: a lost peer means
+        it cannot commit; the old engine's hooks are removed; every process group and DeepSpeed's
+        cached groups are destroyed), joins the new one (:func:`~stalwart.trainer.reform.join_world`),
+        builds a DeepSpeed engine for the same model and optimizer recipe, and restores the newest
+        committed checkpoint (``spec.restore_step`` at most) resharded to the new world: weights,
+        optimizer, scheduler, loss scaler, counters, data position and RNG, exactly as a freshly
+        started process of the new world would. The checkpoint is read through the loader (its
+        files are in the page cache after the save), not yet from the host copy of the snapshot.
+        Collective over the new world: every rank of it must be re-forming (or be a spare joining).
+        Raises :class:`ReformFailed` (the agent then replaces this process).
+        """
+        timing = ReformTimings(round=spec.round, world_size=spec.world_size, rank=spec.rank, cause=cause,
+                               error_seen_at=error_seen_at, started_at=time.time())
+        if self._recipe is None:
+            raise ReformFailed("this trainer's engine was not built by Trainer.initialize: it cannot be rebuilt",
+                               round=spec.round)
+        if self._recipe.unsupported:
+            raise ReformFailed(f"cannot rebuild the engine: {self._recipe.unsupported}", round=spec.round)
+        if self.state.stage == 3:
+            raise ReformFailed("in-place re-form supports ZeRO stage 1 and 2 (stage 3 partitions the module "
+                               "itself)", round=spec.round)
+        log.warning("rank %d round %d step %d: re-forming as rank %d of %d (round %d, master %s:%d, cause %s)",
+                    self.rank, self.round, self.step, spec.rank, spec.world_size, spec.round, spec.master_addr,
+                    spec.master_port, cause)
+        self._leave()
+        try:
+            join_world(spec, backend=backend_for_device(), collective_timeout_s=self.config.collective_timeout_s,
+                       join_timeout_s=self.config.dist_timeout_s)
+            timing.group_up_at = time.time()
+            engine = self._recipe.build(self.config, spec.world_size)
+            timing.engine_built_at = time.time()
+            self._attach(engine)
+            self.round = spec.round
+            restored = self._restore(max_step=spec.restore_step, required=True)
+            assert restored is not None
+            self._resume(restored)
+        except ReformFailed:
+            raise
+        except (TrainerError, CheckpointError) as exc:
+            raise ReformFailed(f"rank {spec.rank} cannot re-form into round {spec.round}: {exc}",
+                               round=spec.round) from exc
+        except Exception as exc:
+            raise ReformFailed(f"rank {spec.rank} cannot re-form into round {spec.round}: "
+                               f"{type(exc).__name__}: {exc}", round=spec.round) from exc
+        timing.restored_at = time.time()
+        timing.restored_step = self.step
+        self.reforms.append(timing)
+        self._first_step_pending = timing
+        log.warning("rank %d round %d: re-formed at step %d in %.3fs (group %.3fs, engine %.3fs, restore %.3fs)",
+                    self.rank, self.round, self.step, timing.restored_at - timing.started_at,
+                    timing.group_up_at - timing.started_at, timing.engine_built_at - timing.group_up_at,
+                    timing.restored_at - timing.engine_built_at)
+        self.recorder.write("reform", step=self.step, round=spec.round, world_size=self.world_size, cause=cause)
+        return timing
+
+    def _leave(self) -> None:
+        """Drop everything of the old world; never raises (the old world may be broken)."""
+        handle = self.checkpointer._inflight  # noqa: SLF001 - the one save that may still be running
+        if handle is not None and not handle.done() and not handle.wait_snapshot(5.0):
+            log.warning("rank %d step %d: the snapshot of step %d did not finish", self.rank, self.step, handle.step)
+        if handle is None or handle.done():
+            self.checkpointer.close()
+        else:
+            # Its commit waits on a lost or hung peer (until that group's timeout): let it fail
+            # on its own; it can no longer commit, so the loader never sees it.
+            log.warning("rank %d step %d: abandoning the save of step %d in flight", self.rank, self.step,
+                        handle.step)
+        self._report_saves()
+        _release_engine(self.engine, self.rank)
+        self.engine = None
+        self.state = None  # type: ignore[assignment]
+        self._control = None
+        leave_world()
+        gc.collect()
+
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -291,6 +617,11 @@ class Trainer:
                                 loss=mean_loss, grad_norm=agreed_norm, samples=list(batch.samples), **extra)
             self.health.accept(self.step, mean_loss, update_skipped=update_skipped)
             self.agent.step(self.step, step_time, mean_loss)
+        if self._first_step_pending is not None:
+            timing, self._first_step_pending = self._first_step_pending, None
+            timing.first_step_at = time.time()
+            log.warning("rank %d round %d step %d: first step after the re-form, %.3fs after it began", self.rank,
+                        self.round, self.step, timing.first_step_at - timing.started_at)
         self._report_saves()
         if flags[1].item() > 0:
             log.warning("rank %d step %d: SIGTERM: final checkpoint, then exit", self.rank, self.step)
@@ -389,7 +720,7 @@ class Trainer:
             self._give_up(s, fault, f"{len(recent) + 1} faults within {hc.rollback_window} steps, more than the "
                                     f"{hc.max_rollbacks} rollbacks allowed", recent)
         self._settle_saves()  # a checkpoint of step s - 1 may be in flight: it is the one to go back to
-        restored = self._restore(max_step=s - 1)
+        restored = self._restore(max_step=s - 1, rollback=True)
         if restored is None:
             self._give_up(s, fault, f"no good checkpoint before step {s} to roll back to", recent)
         assert restored is not None
@@ -484,23 +815,29 @@ class Trainer:
             "health": {"history": self.health.to_json(), "rollbacks": self.ledger.to_json()},
         }  # fmt: skip
 
-    def _restore(self, max_step: int | None = None) -> RestoreInfo | None:
-        """Load the newest good checkpoint (at or below ``max_step`` for a rollback) into the engine.
+    def _restore(self, max_step: int | None = None, *, rollback: bool = False,
+                 required: bool = False) -> RestoreInfo | None:
+        """Load the newest good checkpoint (at or below ``max_step``) into the engine.
 
-        At start (``max_step`` None) no checkpoint means a fresh start at step 0; for a rollback it
-        means ``None``. Rollbacks recorded in the journal are merged with the checkpoint's.
+        At start no checkpoint means a fresh start at step 0; for a ``rollback`` it means
+        ``None``; where one is ``required`` (a re-form or a spare: the model's weights are no
+        longer the initial ones) it raises :class:`ReformFailed`. Rollbacks recorded in the
+        journal are merged with the checkpoint's.
         """
         root = self.config.checkpoint_dir
         if self.rank == 0:
             steps = [c.step for c in list_checkpoints(root)
                      if c.committed and (max_step is None or c.step <= max_step)]  # fmt: skip
-            found = {"any": bool(steps), "journal": read_journal(root) if steps and max_step is None else []}
+            found = {"any": bool(steps), "journal": read_journal(root) if steps and not rollback else []}
             self._coord.broadcast(json.dumps(found).encode(), self.config.commit_timeout_s)
         else:
             found = json.loads(self._coord.broadcast(None, self.config.commit_timeout_s))
         if not found["any"]:
-            if max_step is not None:
+            if rollback:
                 return None
+            if required:
+                raise ReformFailed(f"rank {self.rank}: no committed checkpoint under {root} to resume from",
+                                   round=self.round)
             log.info("rank %d: no checkpoint under %s: starting at step 0", self.rank, root)
             self.recorder.write("restore", step=0, world_size=self.world_size, saved_world_size=0)
             return RestoreInfo(0, DataPosition(), 0)
@@ -512,7 +849,7 @@ class Trainer:
         except LayoutMismatch as exc:
             raise self._incompatible(None) or IncompatibleCheckpoint(str(exc)) from exc
         except CheckpointNotFound:
-            if max_step is not None:
+            if rollback:
                 log.error("rank %d: no loadable checkpoint at or below step %d under %s", self.rank, max_step, root)
                 return None
             log.error("rank %d: checkpoints exist under %s but none is loadable", self.rank, root)
@@ -543,8 +880,8 @@ class Trainer:
         self.ledger.merge(RollbackLedger.from_json(health.get("rollbacks", [])).rollbacks)
         self.ledger.merge(RollbackLedger.from_json(found["journal"]).rollbacks)
         log.info("rank %d: restored step %d (saved by %d ranks, now %d)%s", self.rank, result.step, saved_world,
-                 self.world_size, " to roll back" if max_step is not None else "")
-        if max_step is None:
+                 self.world_size, " to roll back" if rollback else "")
+        if not rollback:
             self.recorder.write("restore", step=result.step, world_size=self.world_size,
                                 saved_world_size=saved_world, skipped=[s for s, _ in result.skipped],
                                 rollbacks=len(self.ledger))  # fmt: skip
@@ -589,6 +926,28 @@ class Trainer:
                                               tensor=extra[0], step=s)
             return None
         return None
+
+
+def _release_engine(engine: Any, rank: int) -> None:
+    """Detach an engine from the model it wraps, so a new engine can wrap the same model.
+
+    ``engine.destroy()`` removes ZeRO's gradient hooks from the parameters but (DeepSpeed 0.19)
+    leaves the engine's forward hooks on the module: the old engine's forward prologue would still
+    run (and change the numerics of the next step). Those handles are removed here too, and so
+    are the gradients the interrupted step left in the parameters.
+    """
+    try:
+        engine.destroy()
+    except Exception as exc:  # noqa: BLE001 - the old world may be broken
+        log.warning("rank %d: destroying the old engine: %s", rank, exc)
+    for attr in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
+        handle = getattr(engine, attr, None)
+        if handle is not None:
+            handle.remove()
+            setattr(engine, attr, None)
+    # The failed step may have accumulated gradients of some micro batches into the parameters.
+    for p in engine.module.parameters():
+        p.grad = None
 
 
 def _rng_state() -> dict[str, Any]:

@@ -1,0 +1,178 @@
+"""In-place re-form with real processes, real gloo and real DeepSpeed (ZeRO-1, CPU).
+
+The test starts the workers itself (``reform_child.py``, no torchrun) and plays the agent: when a
+worker dies it hands each survivor (and a spare) its place in the next round as a ReformSpec
+file, which the worker passes to ``Trainer.request_reform`` (the agent client's Reform handler).
+The re-formed run must equal, bitwise, a run freshly started at the new world size from the same
+checkpoint: the restored state (gathered fp32 weights and Adam moments) and every later loss.
+Timings (kill -> first resumed step) are printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from testkit import kill_tree
+from stalwart.ckpt.storage import step_dir_name
+from trainer_testlib import REPO, tail
+
+CHILD = str(Path(__file__).with_name("reform_child.py"))
+STEPS, SAVE_EVERY, KILL_AT = 12, 3, 7  # checkpoints 3, 6, 9, 12; the victim dies after step 7
+RESTORED = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Harness:
+    """Starts workers of one job (one checkpoint dir) and hands out Reforms, like an agent."""
+
+    def __init__(self, root: Path, env: dict[str, str], name: str = "job") -> None:
+        self.root = root / name
+        self.ckpt, self.out, self.specs = self.root / "ckpt", self.root / "out", self.root / "specs"
+        for d in (self.ckpt, self.out, self.specs):
+            d.mkdir(parents=True, exist_ok=True)
+        self.steps_log = self.root / "steps.jsonl"
+        self.env = env
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, *, rank: int | None, world: int, port: int, round: int = 0, spare: bool = False,
+              extra: tuple[str, ...] = ()) -> None:
+        env = {**self.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "STALWART_ROUND": str(round),
+               "WORLD_SIZE": str(world), "RANK": str(rank if rank is not None else 0), "LOCAL_RANK": "0"}
+        if spare:
+            env["STALWART_SPARE"] = "1"
+        cmd = [sys.executable, CHILD, "--name", name, "--ckpt-dir", str(self.ckpt), "--out", str(self.out),
+               "--spec-dir", str(self.specs), "--steps-log", str(self.steps_log), "--steps", str(STEPS),
+               "--save-every", str(SAVE_EVERY), *extra]
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                            start_new_session=True)
+        log.close()
+
+    def reform(self, name: str, *, rank: int, world: int, port: int, round: int) -> None:
+        spec = {"rank": rank, "world_size": world, "master_addr": "127.0.0.1", "master_port": port, "round": round}
+        tmp = self.specs / f".{name}.tmp"
+        tmp.write_text(json.dumps(spec))
+        os.replace(tmp, self.specs / f"{name}.json")
+
+    def wait_marker(self, name: str, marker: str, timeout: float = 90) -> dict[str, Any]:
+        path = self.out / f"{name}.{marker}"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            proc = self.procs[name]
+            if proc.poll() is not None and marker != "killed":
+                raise AssertionError(f"{name} exited {proc.returncode}:\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {marker} marker from {name}:\n{self.logs()}")
+            time.sleep(0.01)
+        time.sleep(0.01)
+        return json.loads(path.read_text())
+
+    def wait(self, names: list[str], timeout: float = 120) -> dict[str, dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        for name in names:
+            try:
+                self.procs[name].wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{name} did not finish:\n{self.logs()}") from None
+        return {n: json.loads((self.out / f"{n}.json").read_text()) for n in names}
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{tail(self.root / f'{n}.log', 30)}" for n in self.procs)
+
+    def losses(self) -> dict[int, float]:
+        lines = [json.loads(x) for x in self.steps_log.read_text().splitlines()]
+        return {e["step"]: e["loss"] for e in lines if e["event"] == "step"}
+
+    def state(self, name: str, step: int) -> dict[str, torch.Tensor]:
+        return torch.load(self.out / f"state-{name}-step{step}.pt")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+                proc.wait()
+
+
+@pytest.fixture
+def jobs(ds_env: dict[str, str], tmp_path: Path) -> Iterator[list[Harness]]:
+    made: list[Harness] = []
+    try:
+        yield made
+    finally:
+        for h in made:
+            h.close()
+
+
+def restart_reference(jobs: list[Harness], src: Harness, env: dict[str, str], tmp_path: Path) -> Harness:
+    """A run freshly started at world 2 from ``src``'s checkpoint of step RESTORED."""
+    ref = Harness(tmp_path, env, "reference")
+    jobs.append(ref)
+    name = step_dir_name(RESTORED)
+    shutil.copytree(src.ckpt / name, ref.ckpt / name)
+    port = free_port()
+    for r in range(2):
+        ref.start(f"r{r}", rank=r, world=2, port=port)
+    ref.wait([f"r{r}" for r in range(2)])
+    return ref
+
+
+def assert_same_as_restart(job: Harness, dumper: str, ref: Harness) -> None:
+    got, want = job.state(dumper, RESTORED), ref.state("r0", RESTORED)
+    assert sorted(got) == sorted(want)
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differ, f"state after the re-form differs from a restart's: {differ[:5]}"
+    losses, expected = job.losses(), ref.losses()
+    later = {s: v for s, v in expected.items() if s > RESTORED}
+    assert sorted(later) == list(range(RESTORED + 1, STEPS + 1))
+    assert {s: losses[s] for s in later} == later
+
+
+def print_timings(what: str, kill_time: float, results: dict[str, dict[str, Any]]) -> None:
+    for name, res in sorted(results.items()):
+        for t in res.get("reforms", []):
+            seen = t["error_seen_at"]
+            print(f"[{what}] {name} round {t['round']} rank {t['rank']}/{t['world_size']}: "
+                  f"error seen +{(seen - kill_time) if seen else float('nan'):.3f}s, "
+                  f"re-form began +{t['started_at'] - kill_time:.3f}s, group up +{t['group_up_at'] - kill_time:.3f}s, "
+                  f"engine rebuilt +{t['engine_built_at'] - kill_time:.3f}s, "
+                  f"state restored +{t['restored_at'] - kill_time:.3f}s, "
+                  f"first step +{t['first_step_at'] - kill_time:.3f}s")
+
+
+def test_survivors_reform_from_3_to_2_in_place_and_match_a_restart_bitwise(
+        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness]) -> None:
+    job = Harness(tmp_path, ds_env)
+    jobs.append(job)
+    port = free_port()
+    for r in range(3):
+        job.start(f"w{r}", rank=r, world=3, port=port, extra=("--kill-at-step", str(KILL_AT)) if r == 2 else ())
+    killed = job.wait_marker("w2", "killed")
+    job.procs["w2"].wait(timeout=30)
+    new_port = free_port()  # the daemon's next round: a new master port (rank 0 hosts it)
+    job.reform("w0", rank=0, world=2, port=new_port, round=1)
+    job.reform("w1", rank=1, world=2, port=new_port, round=1)
+    results = job.wait(["w0", "w1"])
+    for name, res in results.items():
+        assert "error" not in res, (name, res["error"], job.logs())
+        assert res["step"] == STEPS and len(res["reforms"]) == 1
+        assert res["reforms"][0]["restored_step"] == RESTORED
+    print_timings("3->2 kill", killed["time"], results)
+    ref = restart_reference(jobs, job, ds_env, tmp_path)
+    assert_same_as_restart(job, "w0", ref)
