@@ -125,7 +125,7 @@ class LocalCluster:
                 "--max-nodes", str(c.nodes), "--node-quantum", str(c.node_quantum), "--join-timeout", "3",
                 "--regrow-cooldown", "0", "--stall-timeout", "300", "--quarantine-faults", "100",
                 "--master-port", str(self.master_port),
-                "--exclude-stragglers", "true" if c.exclude_stragglers else "false"]
+                "--exclude-stragglers", "true" if c.exclude_stragglers else "false", "--straggler-steps", "3"]
         self.daemons[name] = self._spawn(name, args)
 
     def job_command(self) -> list[str]:
@@ -147,7 +147,8 @@ class LocalCluster:
             f'job = "{self.job}"\nnode_id = "{node}"\ncommand = [{command}]\nworkers = {c.workers_per_node}\n'
             f'listen = "{self.net.address(node) if self.net else "127.0.0.1"}:0"\ninsecure = true\nstate_dir = "{self.workdir / node}"\n'
             f"lease_ttl = {c.lease_ttl}\nprobe = \"fake\"\nfault_injection = true\nstop_grace = 10.0\n"
-            f"stall_floor = 4.0\nstall_factor = 10.0\nstall_first_step = 180.0\nprogress_interval = 1.0\n"
+            f"stall_floor = 4.0\nstall_factor = 10.0\nstall_first_step = 180.0\nprogress_interval = 0.3\n"
+            f"busy_window = 5\n"
             f"peer_probe_interval = 2.0\n[etcd]\nendpoints = [{', '.join(repr(e) for e in self.etcd.endpoints)}]\n"
             .replace("'", '"'))
         args = [self._python, "-m", "stalwart.cli.main", "--log-level", "info", "agent", "--config", str(cfg)]

@@ -330,9 +330,14 @@ class _Run:
                     r.detected_at = now
                     self.straggler_seen.add(r.target)
                 if r.detected_at is not None and r.resumed_at is None:
-                    after = next((x.t for x in self.rounds if x.number > a.round_before and x.t >= r.detected_at),
-                                 r.detected_at) if self.s.cluster.exclude_stragglers else r.detected_at
-                    r.resumed_at = self._first_event_after("step", after)
+                    if not self.s.cluster.exclude_stragglers:
+                        r.resumed_at = self._first_event_after("step", r.detected_at)
+                        continue
+                    # Wait for the round that leaves it out, and a step of that world (the old
+                    # world may still finish a step or two before its workers are stopped).
+                    new = next((x for x in self.rounds if x.number > a.round_before and x.t >= r.detected_at), None)
+                    if new is not None:
+                        r.resumed_at = self._first_step_of_a_new_world(new.t)
                 continue
             if r.detected_at is None:
                 if r.kind == "kill-daemon":
@@ -344,10 +349,19 @@ class _Run:
                 elif current is not None and current.number > a.round_before:
                     r.detected_at = next(x.t for x in self.rounds if x.number > a.round_before)
             if r.detected_at is not None and r.resumed_at is None:
-                after = [float(e["t"]) - self.t0 for e in self._steps()  # type: ignore[arg-type]
-                         if float(e["t"]) - self.t0 > r.detected_at]  # type: ignore[arg-type]
-                if after:
-                    r.resumed_at = min(after)
+                if r.kind in ("kill-daemon", "kill-etcd"):  # the workers train on meanwhile
+                    r.resumed_at = self._first_event_after("step", r.detected_at)
+                else:
+                    r.resumed_at = self._first_step_of_a_new_world(r.detected_at)
+
+    def _first_step_of_a_new_world(self, t: float) -> float | None:
+        """The first step after ``t`` of a world that started after ``t`` (its restore, or its
+        in-place re-form, is recorded after ``t``): a step the old world finishes while its
+        workers are being stopped does not count as resumed."""
+        start = min((float(e["t"]) - self.t0 for e in self.events  # type: ignore[arg-type]
+                     if e.get("event") in ("restore", "reform") and float(e["t"]) - self.t0 > t),  # type: ignore[arg-type]
+                    default=None)
+        return None if start is None else self._first_event_after("step", start)
 
     def _stragglers(self) -> set[str]:
         try:
@@ -373,7 +387,9 @@ class _Run:
         last_commit = max((int(e["step"]) for e in self.events if e.get("event") == "commit"),  # type: ignore[call-overload]
                           default=0)
         lost, corrupt_loads = self._losses_of_restores()
-        used = [i for ev in committed.values() for i in ev.get("samples", [])]  # type: ignore[union-attr]
+        # (epoch, sample): a long run goes through the data more than once
+        used = [(int(ev.get("epoch", 0)), i) for ev in committed.values()  # type: ignore[call-overload]
+                for i in ev.get("samples", [])]  # type: ignore[union-attr]
         expected = self.s.job.steps * self.s.job.global_batch
         report = RunReport(
             scenario=self.s.name, wall_s=wall, target_steps=self.s.job.steps, samples=samples,
@@ -385,8 +401,7 @@ class _Run:
         skipped = skipped_samples(self.events)
         report.skipped_samples = sum(len(v) for v in skipped.values())
         report.checks["reached the last step"] = self._finished()
-        used_in = {(int(ev.get("epoch", 0)), i) for ev in committed.values()  # type: ignore[call-overload]
-                   for i in ev.get("samples", [])}  # type: ignore[union-attr]
+        used_in = set(used)
         skipped_in = {(e, i) for e, ids in skipped.items() for i in ids}
         report.checks["every sample used exactly once"] = (
             len(used) == len(set(used)) and (len(used) == expected or not self._finished())
