@@ -7,6 +7,8 @@ Rank 0 appends one JSON line per event to a file (``TrainerConfig.record_path``)
 - ``{"event": "step", "step": k, "epoch": e, "world_size": w, "loss": x, "grad_norm": g,
   "samples": [...]}`` (``"update_skipped": true`` when fp16 overflow made DeepSpeed drop the update);
 - ``{"event": "commit", "step": k}`` — the checkpoint of step ``k`` is committed;
+- ``{"event": "save_failed", "step": k, "error": ...}`` — the checkpoint of step ``k`` did not
+  commit (a full disk, a rank that could not write); training goes on, the previous one stands;
 - ``{"event": "fault", "step": S, "kind": ..., "reason": ..., "loss": x, "samples": [...]}`` — step
   ``S`` failed a health check (see ``health.py``); it is not progress and is never checkpointed;
 - ``{"event": "rollback", "step": R, "fault_step": S, "reason": ..., "skipped_samples": [...],
