@@ -77,6 +77,12 @@ _COLLECTIVE_ERROR_MARKS = (
     "connection refused", "no route to host", "gloo/transport",
 )
 
+_shm_op: list[Any] = []
+"""DeepSpeed's shared-memory comm extension, loaded once: loading it again (``build_shm_op``,
+≈0.5 s of JIT-build checks) is most of what a new DeepSpeed backend object costs. It serves
+only ``inference_all_reduce`` and keeps the world it was first set up for (its ``initialize``
+runs once per process); training never uses it."""
+
 _hosted_stores: dict[int, Any] = {}
 """TCPStore servers this process hosts, by port: a rank 0 that is rank 0 again on the same port
 reuses its server (a second one could not bind), and servers of earlier rounds live on so a late
@@ -128,6 +134,8 @@ def leave_world() -> None:
             except Exception as again:  # noqa: BLE001
                 logger.warning("destroying the default group again: %s", again)
     groups._release_process_group_references(group=None)
+    if ds_comm.cdb is not None and not _shm_op:
+        _shm_op.append(getattr(ds_comm.cdb, "shm_comm_op", None))
     ds_comm.cdb = None
 
 
@@ -144,6 +152,8 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     """
     import datetime
 
+    import importlib
+
     import deepspeed
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -155,6 +165,8 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     c10d.default_pg_timeout = timeout  # groups made later without a timeout (see the docstring)
     store = _hosted_stores.get(spec.master_port) if spec.rank == 0 else None
     if store is None:
+        if spec.rank != 0:
+            _wait_listening(spec.master_addr, spec.master_port, join_timeout_s)
         store = dist.TCPStore(spec.master_addr, spec.master_port, None, spec.rank == 0,
                               timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
         if spec.rank == 0:
@@ -162,4 +174,28 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     prefixed = dist.PrefixStore(f"round-{spec.round}/", store)
     dist.init_process_group(backend, store=prefixed, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
     # DeepSpeed wraps the initialized torch world in a fresh backend object (``cdb``).
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # ``deepspeed.comm.torch`` is torch itself
+    build = ds_torch.build_shm_op
+    if _shm_op:
+        ds_torch.build_shm_op = lambda: _shm_op[0]  # see _shm_op
+    try:
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)
+    finally:
+        ds_torch.build_shm_op = build
+
+
+def _wait_listening(addr: str, port: int, timeout_s: float) -> None:
+    """Poll until rank 0's store accepts connections (every 10 ms; TCPStore's own retry backs off
+    to about a second, most of a re-form's time when a peer asks before the host listens)."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                return  # TCPStore raises the error, with its own message
+            time.sleep(0.01)
