@@ -370,8 +370,8 @@ class Trainer:
         The world: under torchrun (its agent hosts the store) ``deepspeed.init_distributed``;
         otherwise, with ``MASTER_PORT`` set, a store of our own (:func:`~stalwart.trainer.reform.join_world`,
         so later rounds can reuse it). A warm spare (``STALWART_SPARE=1``) first waits for its
-        assignment: ``agent.wait_for_assignment()`` where the agent client has it, else
-        ``assignment()``; it then joins that world like a re-forming rank and restores the
+        assignment: ``assignment()`` where given, else the agent client's
+        ``wait_for_assignment()``; it then joins that world like a re-forming rank and restores the
         checkpoint the survivors restore.
         """
         import deepspeed
@@ -383,7 +383,7 @@ class Trainer:
         if spare:
             if agent is None:
                 agent = AgentClient(rank=0)
-            source = getattr(agent, "wait_for_assignment", None) or assignment
+            source = assignment or getattr(agent, "wait_for_assignment", None)
             if source is None:
                 raise ReformFailed("a spare (STALWART_SPARE=1) needs an assignment: the agent client's "
                                    "wait_for_assignment or Trainer.initialize(assignment=...)")
@@ -407,7 +407,16 @@ class Trainer:
                 join_world(ReformSpec.from_env(), backend=backend, collective_timeout_s=config.collective_timeout_s,
                            join_timeout_s=config.dist_timeout_s)
         engine = recipe.build(config, dist.get_world_size())
-        return cls(engine, config, agent=agent, _recipe=recipe, _required=spare)
+        trainer = cls(engine, config, agent=agent, _recipe=recipe, _required=spare)
+        if spare:
+            trainer._tell_agent(spec.local_rank)
+        return trainer
+
+    def _tell_agent(self, local_rank: int) -> None:
+        """Acknowledge the new round and rank to the agent (it kills a worker that does not)."""
+        reformed = getattr(self.agent, "reformed", None)
+        if callable(reformed):
+            reformed(self.round, self.rank, local_rank)
 
     # --- in-place re-form ----------------------------------------------------------------------
 
@@ -534,6 +543,7 @@ class Trainer:
                     timing.group_up_at - timing.started_at, timing.engine_built_at - timing.group_up_at,
                     timing.restored_at - timing.engine_built_at)
         self.recorder.write("reform", step=self.step, round=spec.round, world_size=self.world_size, cause=cause)
+        self._tell_agent(spec.local_rank)
         return timing
 
     def _leave(self) -> None:

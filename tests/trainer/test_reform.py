@@ -176,3 +176,72 @@ def test_survivors_reform_from_3_to_2_in_place_and_match_a_restart_bitwise(
     print_timings("3->2 kill", killed["time"], results)
     ref = restart_reference(jobs, job, ds_env, tmp_path)
     assert_same_as_restart(job, "w0", ref)
+
+
+def test_a_warm_spare_takes_the_dead_rank_2_to_2_and_matches_a_restart_bitwise(
+        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness]) -> None:
+    job = Harness(tmp_path, ds_env)
+    jobs.append(job)
+    port = free_port()
+    job.start("spare", rank=None, world=2, port=port, spare=True)  # imports, builds its model, waits
+    for r in range(2):
+        job.start(f"w{r}", rank=r, world=2, port=port, extra=("--kill-at-step", str(KILL_AT)) if r == 1 else ())
+    killed = job.wait_marker("w1", "killed")
+    job.procs["w1"].wait(timeout=30)
+    new_port = free_port()
+    job.reform("w0", rank=0, world=2, port=new_port, round=1)
+    job.reform("spare", rank=1, world=2, port=new_port, round=1)
+    results = job.wait(["w0", "spare"])
+    for name, res in results.items():
+        assert "error" not in res, (name, res["error"], job.logs())
+        assert res["step"] == STEPS
+    assert results["w0"]["reforms"][0]["restored_step"] == RESTORED and results["spare"]["rank"] == 1
+    print_timings("2->2 spare", killed["time"], results)
+    ref = restart_reference(jobs, job, ds_env, tmp_path)
+    assert_same_as_restart(job, "w0", ref)
+
+
+def test_a_survivor_of_a_sigstopped_peer_is_out_within_the_collective_timeout(
+        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness]) -> None:
+    timeout = 4.0
+    job = Harness(tmp_path, ds_env)
+    jobs.append(job)
+    port, new_port = free_port(), free_port()
+    extra = ("--collective-timeout", str(timeout))
+    for r in range(3):
+        job.start(f"w{r}", rank=r, world=3, port=port,
+                  extra=(*extra, "--stop-at-step", str(KILL_AT)) if r == 2 else extra)
+    stopped = job.wait_marker("w2", "stopped")
+    # The agent's Reform is already there: what bounds the survivors is gloo's timeout.
+    job.reform("w0", rank=0, world=2, port=new_port, round=1)
+    job.reform("w1", rank=1, world=2, port=new_port, round=1)
+    results = job.wait(["w0", "w1"])
+    kill_tree(job.procs["w2"].pid)
+    print_timings("3->2 SIGSTOP", stopped["time"], results)
+    for name, res in results.items():
+        assert "error" not in res, (name, res["error"], job.logs())
+        (t,) = res["reforms"]
+        assert t["cause"] == "collective_error"
+        # The documented bound: collective_timeout_s + the re-form time (slack: a loaded machine).
+        assert t["error_seen_at"] - stopped["time"] <= timeout + 3.0
+        assert t["first_step_at"] - t["error_seen_at"] <= 10.0
+        assert res["step"] == STEPS
+
+
+def test_a_rank_that_cannot_reform_raises_reform_failed(ds_env: dict[str, str], tmp_path: Path,
+                                                        jobs: list[Harness]) -> None:
+    job = Harness(tmp_path, ds_env)
+    jobs.append(job)
+    port = free_port()
+    job.start("w0", rank=0, world=3, port=port, extra=("--reform-wait", "2"))
+    job.start("w1", rank=1, world=3, port=port, extra=("--dist-timeout", "2"))
+    job.start("w2", rank=2, world=3, port=port, extra=("--kill-at-step", "4"))
+    job.wait_marker("w2", "killed")
+    # w0 gets no Reform at all; w1 is told to join a world whose host never comes.
+    job.reform("w1", rank=1, world=2, port=free_port(), round=1)
+    results = job.wait(["w0", "w1"], timeout=60)
+    assert job.procs["w0"].returncode == 1 and job.procs["w1"].returncode == 1
+    assert results["w0"]["error"]["type"] == "ReformFailed"
+    assert "no Reform arrived within 2s" in results["w0"]["error"]["message"]
+    assert results["w1"]["error"]["type"] == "ReformFailed"
+    assert "cannot re-form into round 1" in results["w1"]["error"]["message"]
