@@ -387,7 +387,10 @@ class Trainer:
             if source is None:
                 raise ReformFailed("a spare (STALWART_SPARE=1) needs an assignment: the agent client's "
                                    "wait_for_assignment or Trainer.initialize(assignment=...)")
-            log.info("spare pid %d: model built, waiting for an assignment", os.getpid())
+            started = time.perf_counter()
+            _warm_up(recipe, config, backend)
+            log.info("spare pid %d: model built, engine warmed up in %.2fs, waiting for an assignment",
+                     os.getpid(), time.perf_counter() - started)
             spec = source()
             log.warning("spare pid %d: assigned rank %d of %d in round %d", os.getpid(), spec.rank,
                         spec.world_size, spec.round)
@@ -936,6 +939,35 @@ class Trainer:
                                               tensor=extra[0], step=s)
             return None
         return None
+
+
+def _warm_up(recipe: _EngineRecipe, config: TrainerConfig, backend: str) -> None:
+    """A spare builds (and drops) an engine for its model in a world of one before it waits.
+
+    The first ``deepspeed.initialize`` of a process pays for lazy imports, DeepSpeed's comm
+    extension and first-use set-up (≈1.5 s here); a spare that did it while waiting joins its
+    world as fast as a survivor re-forms. The model's weights are overwritten by the restore.
+    """
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    try:
+        import deepspeed
+        import torch.distributed.distributed_c10d as c10d
+
+        timeout = datetime.timedelta(seconds=config.collective_timeout_s)
+        c10d.default_pg_timeout = timeout
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)
+        engine = recipe.build(config, 1)
+        _release_engine(engine, 0)
+        del engine
+    finally:
+        leave_world()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _release_engine(engine: Any, rank: int) -> None:
