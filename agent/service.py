@@ -248,6 +248,8 @@ class ProgressServicer(agent_pb2_grpc.ProgressServicer):
         try:
             for msg in request_iterator:
                 which = msg.WhichOneof("kind")
+                if stream.spare and which in ("step", "checkpoint"):
+                    continue  # a spare holds no rank: what it reports belongs to no one
                 if which == "step":
                     s = msg.step
                     self._core.worker_step(StepEvent(stream.rank, s.step, s.step_time, s.loss, s.time, s.busy_time,

@@ -1,0 +1,247 @@
+"""In-place re-form and warm spares with a real agent, real etcd and real worker processes.
+
+The rounds are written into etcd directly, as the daemon would (the first test waits, like the
+daemon, for the agent to report the worker failure before opening the next round). Times are
+printed (run with ``-s``), never asserted tightly: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from prometheus_client import generate_latest
+
+from stalwart.agent.config import AgentConfig, AgentConfigError
+from stalwart.agent.node import NodeAgent
+from stalwart.agent.workers import ExitKind
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.keys import JobKeys
+from stalwart.coord.local import LocalEtcd
+from stalwart.proto import agent_pb2, records_pb2
+
+WORKER = str(Path(__file__).with_name("reform_worker.py"))
+
+
+def _config(etcd: LocalEtcd, tmp_path: Path, job: str, **kw: object) -> AgentConfig:
+    settings: dict[str, object] = dict(
+        job=job, node_id="n0", command=(sys.executable, WORKER), workers=2, insecure=True,
+        etcd=etcd.client_config(), state_dir=str(tmp_path / "state"), lease_ttl=2, probe="fake",
+        probe_interval=0.2, fault_injection=True, stall_floor=5.0, stall_factor=10.0, stall_first_step=60.0,
+        stop_grace=2.0, progress_interval=0.5, peer_probe_interval=5.0, reform_timeout=10.0)
+    settings.update(kw)
+    return AgentConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def start_agent() -> Iterator[Callable[[AgentConfig], NodeAgent]]:
+    agents: list[tuple[NodeAgent, threading.Thread]] = []
+
+    def start(config: AgentConfig) -> NodeAgent:
+        agent = NodeAgent(config)
+        agent.start()
+        thread = threading.Thread(target=agent.run, daemon=True)  # lives as long as the workers
+        thread.start()
+        agents.append((agent, thread))
+        return agent
+
+    yield start
+    for agent, thread in agents:
+        agent.shutdown()
+        thread.join(timeout=15)
+
+
+def _open_round(client: EtcdClient, keys: JobKeys, number: int, members: list[str], port: int) -> None:
+    """Each member runs 2 workers; n0's ranks follow from its place in ``members``."""
+    record = records_pb2.RoundRecord(number=number, world_size=2 * len(members), master_addr="127.0.0.1",
+                                     master_port=port)
+    for i, node in enumerate(members):
+        record.members.add(node_id=node, node_rank=i, first_rank=2 * i, local_world_size=2,
+                           address="127.0.0.1:1" if node != "n0" else "")
+    client.put(keys.round, record.SerializeToString())
+
+
+def _wait(pred: Callable[[], object], timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def _events(path: Path) -> list[tuple[str, int, int, int, int, int, float]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        kind, pid, rank, ws, rnd, lr, t = line.split()
+        out.append((kind, int(pid), int(rank), int(ws), int(rnd), int(lr), float(t)))
+    return out
+
+
+def _workers(agent: NodeAgent, round_number: int, min_step: int = 0) -> dict[int, int]:
+    """Local rank -> pid of the workers running (not re-forming) in ``round_number`` past ``min_step``."""
+    status = agent.status()
+    if status.round != round_number:
+        return {}
+    return {w.local_rank: w.pid for w in status.workers
+            if w.state == agent_pb2.WORKER_RUNNING and w.round == round_number and w.last_step >= min_step}
+
+
+def _ready_spares(agent: NodeAgent) -> list[int]:
+    return [s.pid for s in agent.status().spares if s.ready]
+
+
+def _job(name: str) -> str:
+    return f"{name}-{time.monotonic_ns()}"
+
+
+def test_survivor_is_reformed_in_place_and_a_spare_takes_the_lost_rank(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    job = _job("reform")
+    keys = JobKeys(job)
+    events = tmp_path / "events"
+    monkeypatch.setenv("EVENTS", str(events))  # inherited by the agent's workers and spares
+    agent = start_agent(_config(etcd_server, tmp_path, job, spares=1))
+    _open_round(etcd_client, keys, 1, ["n0"], 29501)
+    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
+    _wait(lambda: _ready_spares(agent), 30, "a ready spare")
+    spare = _ready_spares(agent)[0]
+    survivor, victim = _workers(agent, 1)[0], _workers(agent, 1)[1]
+    assert spare not in (survivor, victim)
+
+    # the daemon's part: see the failure in the health record, open round 2 with the same member
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+
+    def failure_reported() -> bool:
+        kv = etcd_client.get(keys.health("n0"))
+        return kv is not None and any(f.code == "worker-signal"
+                                      for f in records_pb2.HealthRecord.FromString(kv.value).findings)
+
+    _wait(failure_reported, 5, "the worker failure in etcd")
+    reported = time.time()
+    _open_round(etcd_client, keys, 2, ["n0"], 29502)
+    opened = time.time()
+    _wait(lambda: len(_workers(agent, 2, min_step=0)) == 2, 15, "both local ranks acknowledged in round 2")
+    acked = time.time()
+
+    got = _events(events)
+    reform = [e for e in got if e[0] == "reform" and e[1] == survivor]
+    assert [e[2:6] for e in reform] == [(0, 2, 2, 0)]  # rank 0 of 2 in round 2, local rank 0
+    assigned = [e for e in got if e[0] == "assigned" and e[1] == spare]
+    assert [e[2:6] for e in assigned] == [(1, 2, 2, 1)]
+    assert _workers(agent, 2) == {0: survivor, 1: spare}  # the survivor kept its process
+    assert not [e for e in got if e[0] == "start" and e[4] == 2]  # no new worker process for round 2
+    status = {w.local_rank: w for w in agent.status().workers}
+    assert status[0].reformed and status[1].reformed
+    logs = list((tmp_path / "state" / "logs" / "round-000002").glob("rank-00001*.log"))
+    assert len(logs) == 1 and not logs[0].is_symlink()  # the spare's log moved to the round's naming
+    assert (tmp_path / "state" / "logs" / "round-000002" / "rank-00000.log").is_symlink()
+    print(f"\nSIGKILL -> failure in etcd {reported - killed:.3f} s; round 2 written at {opened - killed:.3f} s; "
+          f"Reform at the survivor {reform[0][6] - killed:.3f} s ({reform[0][6] - opened:.3f} s after the round); "
+          f"spare assigned {assigned[0][6] - killed:.3f} s ({assigned[0][6] - opened:.3f} s after the round); "
+          f"both acknowledged and stepping by {acked - killed:.3f} s")
+
+    # both make progress in round 2, and a new spare replaces the one taken
+    _wait(lambda: len(_workers(agent, 2, min_step=5)) == 2, 15, "both ranks stepping in round 2")
+    _wait(lambda: [p for p in _ready_spares(agent) if p != spare], 30, "a new ready spare")
+    metrics = generate_latest(agent.metrics.registry).decode()
+    assert 'stalwart_agent_spare_assignments_total{node="n0"} 1.0' in metrics
+    assert 'stalwart_agent_reforms_total{node="n0",outcome="acknowledged"} 2.0' in metrics
+    assert 'stalwart_agent_spares{node="n0",state="ready"} 1.0' in metrics
+
+    # a killed spare is just replaced: no worker finding, no round change
+    second = _ready_spares(agent)[0]
+    os.kill(second, signal.SIGKILL)
+    _wait(lambda: [p for p in _ready_spares(agent) if p not in (spare, second)], 30, "a third spare")
+    assert _workers(agent, 2) == {0: survivor, 1: spare}
+    kv = etcd_client.get(keys.health("n0"))
+    assert kv is not None and not records_pb2.HealthRecord.FromString(kv.value).findings
+
+
+def test_worker_that_ignores_its_reform_is_killed_and_replaced(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    job = _job("ignore")
+    keys = JobKeys(job)
+    events = tmp_path / "events"
+    monkeypatch.setenv("EVENTS", str(events))
+    monkeypatch.setenv("IGNORE_REFORM_RANK", "1")
+    agent = start_agent(_config(etcd_server, tmp_path, job, reform_timeout=1.5))
+    _open_round(etcd_client, keys, 1, ["n0"], 29511)
+    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
+    keeper, stubborn = _workers(agent, 1)[0], _workers(agent, 1)[1]
+    # round 2: another node comes first, so n0's ranks move from 0, 1 to 2, 3 of 4
+    _open_round(etcd_client, keys, 2, ["other", "n0"], 29512)
+    opened = time.monotonic()
+    _wait(lambda: not psutil.pid_exists(stubborn) or psutil.Process(stubborn).status() == psutil.STATUS_ZOMBIE,
+          10, "the stubborn worker killed")
+    took = time.monotonic() - opened
+    assert 1.5 <= took < 1.5 + 2.0, took
+    _wait(lambda: len(_workers(agent, 2, min_step=3)) == 2, 30, "both ranks stepping in round 2")
+    workers = _workers(agent, 2)
+    assert workers[0] == keeper and workers[1] != stubborn
+    got = _events(events)
+    assert [e[2:6] for e in got if e[0] == "reform" and e[1] == keeper] == [(2, 4, 2, 0)]
+    assert [e[2:6] for e in got if e[0] == "reform" and e[1] == stubborn] == [(3, 4, 2, 1)]
+    assert [e[2:6] for e in got if e[0] == "start" and e[1] == workers[1]] == [(3, 4, 2, 1)]  # a fresh process
+    exit_ = next(e for e in agent._state.exits if e.pid == stubborn)  # noqa: SLF001
+    assert exit_.returncode == -signal.SIGKILL and exit_.kind is ExitKind.STOPPED  # the agent's decision
+    kv = etcd_client.get(keys.health("n0"))
+    assert kv is not None and not records_pb2.HealthRecord.FromString(kv.value).findings  # not a round failure
+    print(f"\nunacknowledged re-form: SIGKILL {took:.3f} s after the round (reform_timeout 1.5 s)")
+
+
+def test_restart_everything_when_reform_in_place_is_off(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    job = _job("restart")
+    keys = JobKeys(job)
+    events = tmp_path / "events"
+    monkeypatch.setenv("EVENTS", str(events))
+    agent = start_agent(_config(etcd_server, tmp_path, job, reform_in_place=False))
+    _open_round(etcd_client, keys, 1, ["n0"], 29521)
+    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
+    old = set(_workers(agent, 1).values())
+    _open_round(etcd_client, keys, 2, ["n0"], 29522)
+    _wait(lambda: len(_workers(agent, 2, min_step=1)) == 2, 30, "two workers stepping in round 2")
+    assert not old & set(_workers(agent, 2).values())
+    assert not [e for e in _events(events) if e[0] == "reform"]
+    assert not agent.status().spares
+
+
+def test_worker_without_a_reform_handler_is_restarted(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    job = _job("nohandler")
+    keys = JobKeys(job)
+    events = tmp_path / "events"
+    monkeypatch.setenv("EVENTS", str(events))
+    monkeypatch.setenv("NO_REFORM", "1")
+    agent = start_agent(_config(etcd_server, tmp_path, job))
+    _open_round(etcd_client, keys, 1, ["n0"], 29531)
+    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
+    old = set(_workers(agent, 1).values())
+    _open_round(etcd_client, keys, 2, ["n0"], 29532)
+    _wait(lambda: len(_workers(agent, 2, min_step=1)) == 2, 30, "two workers stepping in round 2")
+    assert not old & set(_workers(agent, 2).values())
+    assert not [e for e in _events(events) if e[0] == "reform"]
+
+
+def test_spare_settings_are_validated(etcd_server: LocalEtcd, tmp_path: Path) -> None:
+    with pytest.raises(AgentConfigError, match="spares"):
+        _config(etcd_server, tmp_path, "x", spares=1, reform_in_place=False)
+    with pytest.raises(AgentConfigError, match="reform_timeout"):
+        _config(etcd_server, tmp_path, "x", reform_timeout=0)
+    with pytest.raises(AgentConfigError, match="spares"):
+        _config(etcd_server, tmp_path, "x", spares=-1)
