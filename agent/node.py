@@ -315,10 +315,13 @@ class NodeAgent:
         if self.stalls.stalled(w.rank):
             return "stalled", True
         try:
-            if psutil.Process(w.pid).status() == psutil.STATUS_STOPPED:
-                return "stopped (SIGSTOP)", True
+            status = psutil.Process(w.pid).status()
         except psutil.NoSuchProcess:
             return "gone", True
+        if status == psutil.STATUS_STOPPED:
+            return "stopped (SIGSTOP)", True
+        if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return "exited", True
         if w.pid not in self._state.can_reform:
             return "cannot re-form in place (no re-form handler)", False
         return None
@@ -491,13 +494,23 @@ class NodeAgent:
     def _worker_exited(self, exit_: WorkerExit) -> None:
         with self._lock:
             self._state.exits.append(exit_)
-            self._state.pending.pop(exit_.pid, None)
+            pending = self._state.pending.pop(exit_.pid, None)
             self._state.can_reform.discard(exit_.pid)
             group = self._state.group
             current = group.worker(exit_.local_rank) if group is not None else None
             if current is None or current.pid == exit_.pid:  # not a replaced process's late exit
                 self.stalls.forget(exit_.rank)
             if exit_.kind in (ExitKind.SUCCESS, ExitKind.STOPPED):
+                return
+            if pending is not None and exit_.kind is not ExitKind.GAVE_UP:
+                # Died before acknowledging its re-form (it may have been dying already when the
+                # round came, or its old world's abort took it down): its place in this round is
+                # not lost, so fill it here instead of failing the round.
+                log.error("agent %s: rank %d (pid %d) died while re-forming into round %d (%s); replacing it",
+                          self.config.node_id, exit_.rank, exit_.pid, pending.round, exit_.reason,
+                          extra={"node": self.config.node_id, "rank": exit_.rank, "round": pending.round})
+                self.metrics.reforms.labels(self.config.node_id, "died").inc()
+                self._commands.put(("refill", (pending.round, pending.local_rank, exit_.pid)))
                 return
             if exit_.kind is ExitKind.GAVE_UP:
                 # Not a worker failure (the daemon would restart the round): the job gave up.

@@ -245,3 +245,78 @@ def test_spare_settings_are_validated(etcd_server: LocalEtcd, tmp_path: Path) ->
         _config(etcd_server, tmp_path, "x", reform_timeout=0)
     with pytest.raises(AgentConfigError, match="spares"):
         _config(etcd_server, tmp_path, "x", spares=-1)
+
+
+def test_faults_stalls_and_drain_reach_reformed_workers_and_spares(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import grpc
+
+    from stalwart.proto import agent_pb2_grpc
+
+    job = _job("reform-faults")
+    keys = JobKeys(job)
+    monkeypatch.setenv("EVENTS", str(tmp_path / "events"))
+    agent = start_agent(_config(etcd_server, tmp_path, job, spares=1, stall_floor=1.0, stall_factor=3.0))
+    stub = agent_pb2_grpc.AgentStub(grpc.insecure_channel(f"127.0.0.1:{agent.port}"))
+    _open_round(etcd_client, keys, 1, ["n0"], 29541)
+    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2 and _ready_spares(agent), 30, "workers and a spare")
+    spare = _ready_spares(agent)[0]
+    os.kill(_workers(agent, 1)[1], signal.SIGKILL)
+    _open_round(etcd_client, keys, 2, ["n0"], 29542)
+    _wait(lambda: len(_workers(agent, 2, min_step=3)) == 2, 15, "both ranks stepping in round 2")
+    assert _workers(agent, 2)[1] == spare
+    assert agent.channels.connected()[1] == spare  # the spare's stream now serves local rank 1
+
+    # a hung re-formed worker is a stall of its new rank in its new round
+    stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_HANG_WORKER, device=0), timeout=5)
+
+    def findings() -> list[records_pb2.Finding]:
+        kv = etcd_client.get(keys.health("n0"))
+        return list(records_pb2.HealthRecord.FromString(kv.value).findings) if kv else []
+
+    _wait(lambda: [f for f in findings() if f.code == "stall"], 10, "the stall of the re-formed worker")
+    stall = next(f for f in findings() if f.code == "stall")
+    assert (stall.device, stall.round) == (0, 2)
+    # the former spare dies: a worker failure of rank 1 in round 2
+    stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_KILL_WORKER, device=1), timeout=5)
+    _wait(lambda: [f for f in findings() if f.code == "worker-signal"], 5, "the failure of the former spare")
+    failure = next(f for f in findings() if f.code == "worker-signal")
+    assert failure.round == 2 and "rank 1:" in failure.detail
+    # round 3: the stopped worker is not kept (it is killed), both places get new processes or spares
+    _wait(lambda: _ready_spares(agent), 30, "a new spare")
+    hung = _workers(agent, 2)[0] if 0 in _workers(agent, 2) else agent.status().workers[0].pid
+    _open_round(etcd_client, keys, 3, ["n0"], 29543)
+    _wait(lambda: len(_workers(agent, 3, min_step=1)) == 2, 30, "both ranks stepping in round 3")
+    assert hung not in _workers(agent, 3).values()
+    # drain: workers and spares stop, and no spare starts again
+    reply = stub.Drain(agent_pb2.DrainRequest(wait=True, timeout=20), timeout=30)
+    assert reply.drained, reply.detail
+    _wait(lambda: not agent.status().spares, 10, "spares stopped")
+    time.sleep(1.0)
+    assert not agent.status().spares and not _workers(agent, 3)
+
+
+def test_spares_die_with_the_agent(tmp_path: Path) -> None:
+    from testkit import python_child
+
+    agent = python_child(f"""
+import sys, time
+from pathlib import Path
+from stalwart.agent.workers import start_spare
+s = start_spare([sys.executable, "-c", "import time; time.sleep(120)"], Path({str(tmp_path)!r}), print)
+print(s.pid, flush=True)
+time.sleep(120)
+""")
+    try:
+        assert agent.stdout is not None
+        pid = int(agent.stdout.readline())
+        assert psutil.pid_exists(pid)
+        assert (tmp_path / "spares" / f"spare-{pid}.log").exists()
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        _wait(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 5,
+              "the spare to die with its agent")
+    finally:
+        if agent.poll() is None:
+            agent.kill()
