@@ -21,12 +21,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serve gRPC over plain TCP (no TLS); never on a shared network")
     p.add_argument("--enable-fault-injection", dest="fault_injection", action="store_true", default=None,
                    help="allow the InjectFault call (chaos testing only)")
+    p.add_argument("--spares", type=int, help="override spares (warm spare processes on this node)")
+    p.add_argument("--no-reform-in-place", dest="reform_in_place", action="store_false", default=None,
+                   help="restart every worker at each round change instead of re-forming in place")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     overrides = {"node_id": args.node_id, "listen": args.listen, "state_dir": args.state_dir,
-                 "insecure": args.insecure, "fault_injection": args.fault_injection}
+                 "insecure": args.insecure, "fault_injection": args.fault_injection, "spares": args.spares,
+                 "reform_in_place": args.reform_in_place}
     try:
         config = load(args.config, overrides)
     except AgentConfigError as exc:

@@ -320,3 +320,21 @@ time.sleep(120)
     finally:
         if agent.poll() is None:
             agent.kill()
+
+
+def test_client_reform_handler_gets_pending_reforms_and_spare_needs_an_agent() -> None:
+    from stalwart.trainer.agent_client import AgentClient
+    from stalwart.trainer.reform import ReformSpec
+
+    client = AgentClient(socket_path="")  # no agent: every call is a no-op
+    rnd = records_pb2.RoundRecord(number=5, world_size=4, master_addr="10.0.0.1", master_port=29600,
+                                  restore_step=80, has_restore_step=True)
+    client._reform(agent_pb2.Reform(round=rnd, rank=3, world_size=4, local_rank=1))  # noqa: SLF001 - as received
+    got: list[ReformSpec] = []
+    client.set_reform_handler(got.append)
+    assert got == [ReformSpec(rank=3, world_size=4, master_addr="10.0.0.1", master_port=29600, round=5,
+                              local_rank=1, restore_step=80)]
+    client.reformed(5, 3)
+    assert (client.rank, client.local_rank, client.round) == (3, 1, 5)
+    with pytest.raises(RuntimeError, match="not a spare"):
+        client.wait_for_assignment(timeout=0.1)
