@@ -303,14 +303,17 @@ class NodeAgent:
         self.metrics.round.labels(self.config.node_id).set(record.number)
         self._publish_health(force=True)
 
-    def _unfit(self, w: Worker, assignment: RoundAssignment, connected: dict[int, int]) -> tuple[str, bool] | None:
+    def _unfit(self, w: Worker, assignment: RoundAssignment, connected: dict[int, int],
+               spare_streams: set[int]) -> tuple[str, bool] | None:
         """Why ``w`` cannot be kept for the new round, and whether it is unhealthy (killed at
         once rather than given its SIGTERM grace); None when it is kept. Caller holds the lock."""
         if not w.running or w.stopping:
             return "not running", True
         if w.local_rank >= assignment.local_world_size:
             return f"local rank {w.local_rank} is not in the new round", False
-        if connected.get(w.local_rank) != w.pid:
+        # A spare told to re-form in the round before keeps its spare stream until it acknowledges.
+        reforming = w.pid in self._state.pending and w.pid in spare_streams
+        if connected.get(w.local_rank) != w.pid and not reforming:
             return "not connected to the agent", True
         if self.stalls.stalled(w.rank):
             return "stalled", True
@@ -322,7 +325,7 @@ class NodeAgent:
             return "stopped (SIGSTOP)", True
         if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
             return "exited", True
-        if w.pid not in self._state.can_reform:
+        if w.pid not in self._state.can_reform and not reforming:
             return "cannot re-form in place (no re-form handler)", False
         return None
 
@@ -331,13 +334,13 @@ class NodeAgent:
         empty local ranks, then stop what is left of the old round, then start new processes."""
         node, now = self.config.node_id, time.monotonic()
         self._clear_throttles()  # an injected slow-down ends with the round (and leaves the process running)
-        connected = self.channels.connected()
+        connected, spare_streams = self.channels.connected(), self.channels.spares()
         keep: dict[int, Worker] = {}
         drop: list[tuple[Worker, str, bool]] = []
         with self._lock:
             old = self._state.group
             for w in (old.workers if old is not None else []):
-                unfit = self._unfit(w, assignment, connected)
+                unfit = self._unfit(w, assignment, connected, spare_streams)
                 if unfit is None:
                     keep[w.local_rank] = w
                 elif w.running:

@@ -65,6 +65,7 @@ class AgentClient:
         self._pending_reforms: list[ReformSpec] = []
         self._last_local_rank: int | None = None  # of the newest Reform: a spare learns its device from it
         self._assignments: queue.Queue[ReformSpec] = queue.Queue()
+        self._assigned = False  # a spare's first assignment was handed out
         self.spare = is_spare() if spare is None else spare
         self.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
         self.local_rank = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
@@ -135,7 +136,7 @@ class AgentClient:
                  spec.local_rank, spec.round, extra={"rank": spec.rank, "round": spec.round})
         with self._fault_lock:
             self._last_local_rank = spec.local_rank
-            if self.spare:
+            if self.spare and not self._assigned:
                 self._assignments.put(spec)
                 return
             handler = self._reform_handler
@@ -170,9 +171,23 @@ class AgentClient:
             raise RuntimeError("wait_for_assignment: not a spare of a stalwart agent (STALWART_SPARE=1 and "
                                f"{ENV_SOCKET} are set by the agent)")
         try:
-            return self._assignments.get(timeout=timeout)
+            spec = self._assignments.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"no assignment from the agent within {timeout:g} s") from None
+        with self._fault_lock:
+            # A newer round may come before this spare joins its first one: that Reform goes to
+            # the re-form handler (kept until one is set), like any worker's.
+            self._assigned = True
+            later = []
+            while not self._assignments.empty():
+                later.append(self._assignments.get_nowait())
+            handler = self._reform_handler
+            if handler is None:
+                self._pending_reforms.extend(later)
+        if handler is not None:
+            for newer in later:
+                self._call_reform(handler, newer)
+        return spec
 
     def reformed(self, round_number: int, rank: int, local_rank: int | None = None) -> None:
         """Tell the agent this worker now runs as ``rank`` in ``round_number`` (after a re-form or,

@@ -4,7 +4,7 @@ It reports a step every STEP_TIME seconds. When the agent sends a Reform it appe
 line to EVENTS and acknowledges with ``AgentClient.reformed`` — unless its starting rank is
 IGNORE_REFORM_RANK, then it keeps stepping in its old world and never acknowledges. Started as a
 warm spare (``STALWART_SPARE=1``) it appends ``spare`` when connected, blocks in
-``wait_for_assignment``, appends ``assigned`` and joins. NO_REFORM=1: it never sets a re-form
+``wait_for_assignment``, appends ``assigned`` and joins (after ASSIGN_DELAY seconds). NO_REFORM=1: it never sets a re-form
 handler (a worker that cannot re-form). EVENTS lines: ``kind pid rank world_size round
 local_rank unix_time``.
 """
@@ -43,6 +43,7 @@ if is_spare():
     event("spare", -1, 0, 0, -1)
     spec = client.wait_for_assignment()
     event("assigned", spec.rank, spec.world_size, spec.round, spec.local_rank)
+    time.sleep(float(os.environ.get("ASSIGN_DELAY", "0")))  # joining its first world takes a while
     client.set_reform_handler(on_reform)
     client.reformed(spec.round, spec.rank, spec.local_rank)
 else:

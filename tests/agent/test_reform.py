@@ -338,3 +338,28 @@ def test_client_reform_handler_gets_pending_reforms_and_spare_needs_an_agent() -
     assert (client.rank, client.local_rank, client.round) == (3, 1, 5)
     with pytest.raises(RuntimeError, match="not a spare"):
         client.wait_for_assignment(timeout=0.1)
+
+
+def test_a_newer_round_before_the_spare_acknowledged_keeps_the_spare(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    job = _job("reform-twice")
+    keys = JobKeys(job)
+    events = tmp_path / "events"
+    monkeypatch.setenv("EVENTS", str(events))
+    monkeypatch.setenv("ASSIGN_DELAY", "1.0")
+    agent = start_agent(_config(etcd_server, tmp_path, job, spares=1, reform_timeout=5.0))
+    _open_round(etcd_client, keys, 1, ["n0"], 29551)
+    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2 and _ready_spares(agent), 30, "workers and a spare")
+    spare = _ready_spares(agent)[0]
+    survivor = _workers(agent, 1)[0]
+    os.kill(_workers(agent, 1)[1], signal.SIGKILL)
+    _wait(lambda: 1 not in _workers(agent, 1), 5, "the victim gone")
+    _open_round(etcd_client, keys, 2, ["n0"], 29552)
+    _wait(lambda: [e for e in _events(events) if e[0] == "assigned"], 10, "the spare assigned to round 2")
+    _open_round(etcd_client, keys, 3, ["other", "n0"], 29553)  # before the spare acknowledged round 2
+    _wait(lambda: len(_workers(agent, 3, min_step=3)) == 2, 20, "both ranks stepping in round 3")
+    assert _workers(agent, 3) == {0: survivor, 1: spare}
+    got = _events(events)
+    assert [e[2:6] for e in got if e[0] == "reform" and e[1] == spare] == [(3, 4, 3, 1)]
+    assert [e[2:6] for e in got if e[0] == "reform" and e[1] == survivor] == [(0, 2, 2, 0), (2, 4, 3, 0)]
