@@ -14,6 +14,10 @@ Training health: a non-finite loss or gradient norm, or a loss spike (``--spike-
 to the checkpoint before it and skips that data (``--skip``); ``--inject-nan-step`` and
 ``--inject-spike-step`` fake such faults on one rank. More than ``--max-rollbacks`` faults within
 ``--rollback-window`` steps stop the job with exit status 3 (``stalwart.trainer.EXIT_DIVERGED``).
+
+The loop is ``Trainer.train`` (``--loop train``, the default): a worker whose peer dies or hangs
+re-forms in place when its agent sends the next round, instead of being restarted.
+``--loop batches`` is the script's own loop (restart only); both give the same losses.
 """
 
 from __future__ import annotations

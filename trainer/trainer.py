@@ -160,7 +160,8 @@ class TrainerConfig:
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
         if min(self.dist_timeout_s, self.commit_timeout_s, self.collective_timeout_s, self.reform_wait_s) <= 0:
-            raise ValueError("dist_timeout_s, commit_timeout_s, collective_timeout_s and reform_wait_s must be positive")
+            raise ValueError("dist_timeout_s, commit_timeout_s, collective_timeout_s and reform_wait_s "
+                             "must be positive")
         if not isinstance(self.health, HealthConfig):
             raise ValueError(f"health must be a HealthConfig, got {type(self.health).__name__}")
 
@@ -480,7 +481,9 @@ class Trainer:
                 spec = self._take_reform()
                 cause = "reform"
             except Exception as exc:
-                if not is_collective_error(exc):
+                # With a Reform pending the world is changing anyway: a peer that left first
+                # breaks this rank's step in whatever way DeepSpeed reports it.
+                if not is_collective_error(exc) and not self._reform_event.is_set():
                     raise
                 error_seen = time.time()
                 log.error("rank %d round %d step %d: collective failed: %s: %s", self.rank, self.round,
@@ -511,6 +514,10 @@ class Trainer:
                                round=spec.round)
         if self._recipe.unsupported:
             raise ReformFailed(f"cannot rebuild the engine: {self._recipe.unsupported}", round=spec.round)
+        try:
+            accumulation_steps(self.config.global_batch, self.config.micro_batch, spec.world_size)
+        except TrainerError as exc:  # before joining: the peers would wait for this rank in vain
+            raise ReformFailed(f"cannot re-form into round {spec.round}: {exc}", round=spec.round) from exc
         if self.state.stage == 3:
             raise ReformFailed("in-place re-form supports ZeRO stage 1 and 2 (stage 3 partitions the module "
                                "itself)", round=spec.round)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,8 +24,9 @@ from typing import Any
 import pytest
 import torch
 from testkit import kill_tree
-from stalwart.ckpt.storage import step_dir_name
 from trainer_testlib import REPO, tail
+
+from stalwart.ckpt.storage import step_dir_name
 
 CHILD = str(Path(__file__).with_name("reform_child.py"))
 STEPS, SAVE_EVERY, KILL_AT = 12, 3, 7  # checkpoints 3, 6, 9, 12; the victim dies after step 7
@@ -111,7 +111,7 @@ class Harness:
 
 
 @pytest.fixture
-def jobs(ds_env: dict[str, str], tmp_path: Path) -> Iterator[list[Harness]]:
+def jobs() -> Iterator[list[Harness]]:
     made: list[Harness] = []
     try:
         yield made
