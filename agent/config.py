@@ -67,6 +67,14 @@ class AgentConfig:
     slow_worker_period: float = 0.05  # fault injection: run/stop cycle unit of FAULT_SLOW_WORKER
     busy_window: int = 9  # steps in the recent median of each rank's busy time
     straggler_factor: float = 1.5  # a local rank this much busier than the node's others is a straggler
+    # In-place re-form: at a new round keep live, healthy workers that can re-form (their trainer
+    # set a re-form handler) and send them their new rank, instead of restarting every worker.
+    reform_in_place: bool = True
+    reform_timeout: float = 10.0  # seconds a kept worker or spare has to acknowledge a re-form, else SIGKILL
+    # Warm spares per node: processes of the same command started with STALWART_SPARE=1 that import
+    # and build everything, then wait for a rank. 0 by default: a command must support spares
+    # (AgentClient.wait_for_assignment), and each spare costs a process's memory.
+    spares: int = 0
 
     def __post_init__(self) -> None:
         _check(bool(self.command), "command", "must name the program each worker runs")
@@ -79,6 +87,10 @@ class AgentConfig:
         _check(0.001 <= self.slow_worker_period <= 10, "slow_worker_period",
                f"must be within [0.001, 10] s, got {self.slow_worker_period}")
         _check(self.busy_window >= 1, "busy_window", f"must be >= 1 step, got {self.busy_window}")
+        _check(self.reform_timeout > 0, "reform_timeout", f"must be > 0 s, got {self.reform_timeout}")
+        _check(0 <= self.spares <= 64, "spares", f"must be within [0, 64] per node, got {self.spares}")
+        _check(self.spares == 0 or self.reform_in_place, "spares",
+               "warm spares take a rank by re-forming in place: they need reform_in_place = true")
         _check(self.straggler_factor > 1, "straggler_factor", f"must be > 1, got {self.straggler_factor}")
         _check(self.probe in ("nvml", "fake", "auto"), "probe", f"must be nvml, fake or auto, got {self.probe!r}")
         _check(":" in self.listen, "listen", f"must be HOST:PORT, got {self.listen!r}")

@@ -27,7 +27,19 @@ class AgentMetrics:
                               ["node", "code", "severity"], registry=self.registry)
         self.round = Gauge("stalwart_agent_round", "Round this node's workers run in (0: none)", ["node"],
                            registry=self.registry)
+        self.reforms = Counter("stalwart_agent_reforms", "In-place re-forms of workers, by outcome (sent, "
+                               "acknowledged, timed-out, undeliverable)", ["node", "outcome"], registry=self.registry)
+        self.reform_seconds = Gauge("stalwart_agent_last_reform_seconds",
+                                    "Seconds from sending the last acknowledged re-form to its acknowledgement",
+                                    ["node"], registry=self.registry)
+        self.spares = Gauge("stalwart_agent_spares", "Warm spare processes, by state (ready, starting)",
+                            ["node", "state"], registry=self.registry)
+        self.spare_assignments = Counter("stalwart_agent_spare_assignments", "Warm spares that took a local rank",
+                                         ["node"], registry=self.registry)
         self._node = node
+        for state in ("ready", "starting"):
+            self.spares.labels(node, state).set(0)
+        self.spare_assignments.labels(**labels)
         for counter in (self.stalls, self.restarts):
             counter.labels(**labels)  # export zero from the start
 

@@ -3,12 +3,19 @@
 Threads and what they own:
 
 - the **main loop** (the thread that calls :meth:`NodeAgent.run`) applies round changes and
-  starts and stops workers — workers are created only here, because their parent-death signal
-  is tied to the creating thread;
+  starts and stops workers and warm spares — processes are created only here, because their
+  parent-death signal is tied to the creating thread;
 - the **monitor** thread polls the health probe, checks for stalls, probes peers and writes
   health and (rate-limited) progress to etcd;
 - a **round watch** feeds round records to the main loop; gRPC threads serve the node service
   and the progress channel, and worker-exit threads report exits at once.
+
+At a new round the agent re-forms in place (``reform_in_place``): each worker that is alive,
+connected, healthy and able to re-form keeps its process and is sent ``Reform`` with its new rank;
+ranks that are gone are stopped; empty local ranks take a warm spare, else a new process. A kept
+worker or spare that does not acknowledge (a Hello for the new round) within ``reform_timeout``
+is SIGKILLed and replaced, so a re-form is never waited on forever. With ``reform_in_place =
+false`` every round change stops all workers and starts new ones.
 """
 
 from __future__ import annotations
@@ -31,11 +38,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stalwart.agent.config import AgentConfig
 from stalwart.agent.health import FakeProbe, Finding, HealthProbe, Severity, make_probe, verdict
 from stalwart.agent.metrics import AgentMetrics
-from stalwart.agent.service import (FaultRefused, StepEvent, WorkerChannels, health_state, start_node_server,
-                                    start_progress_server)
+from stalwart.agent.service import (FaultRefused, HelloEvent, StepEvent, WorkerChannels, health_state,
+                                    start_node_server, start_progress_server)
+from stalwart.agent.spares import SparePool
 from stalwart.agent.stall import StallDetector, StallPolicy
 from stalwart.agent.throttle import Throttle, ThrottleSpec
-from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup
+from stalwart.agent.workers import (ExitKind, RoundAssignment, Worker, WorkerExit, WorkerGroup, start_spare,
+                                    stop_workers)
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.errors import CoordError
 from stalwart.coord.keys import JobKeys
@@ -61,6 +70,17 @@ class _Progress:
         return statistics.median(known) if known else 0.0
 
 
+@dataclass(frozen=True)
+class _PendingReform:
+    """A Reform sent to a worker (kept or spare) and not acknowledged yet."""
+
+    round: int
+    local_rank: int
+    rank: int
+    sent: float  # monotonic
+    deadline: float
+
+
 @dataclass
 class _State:
     round: records_pb2.RoundRecord | None = None
@@ -73,6 +93,8 @@ class _State:
     restarts: int = 0
     committed_step: int | None = None  # newest checkpoint a worker reported committed
     gave_up: str = ""  # why the job gave up (a worker exited with EXIT_DIVERGED); cleared by a new round
+    pending: dict[int, _PendingReform] = field(default_factory=dict)  # by pid
+    can_reform: set[int] = field(default_factory=set)  # pids whose Hello said they handle Reform
 
 
 class NodeAgent:
@@ -101,6 +123,8 @@ class NodeAgent:
         self._health_service = health.HealthServicer()
         self.channels = WorkerChannels()  # commands to connected workers, by local rank
         self._throttles: dict[int, Throttle] = {}  # fault injection: slowed workers, by local rank
+        self.spare_pool = SparePool(config.spares if config.reform_in_place else 0, self._start_spare,
+                                    node=config.node_id)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -146,8 +170,13 @@ class NodeAgent:
         """The main loop; returns after :meth:`shutdown`."""
         while not self._stop.is_set():
             try:
+                self._maintain_spares()
                 kind, payload = self._commands.get(timeout=0.5)
             except queue.Empty:
+                continue
+            except Exception:
+                log.exception("agent %s: cannot start a spare", self.config.node_id)
+                self._stop.wait(0.5)
                 continue
             try:
                 if kind == "round":
@@ -157,6 +186,11 @@ class NodeAgent:
                     self._register()
                 elif kind == "stop-workers":
                     self._stop_workers(str(payload))
+                    if self._state.draining:
+                        self.spare_pool.paused = True
+                        self.spare_pool.stop_all(self.config.stop_grace)
+                elif kind == "refill":
+                    self._refill(*payload)  # type: ignore[misc]
                 elif kind == "call":
                     payload()  # type: ignore[operator]
             except CoordError as exc:
@@ -164,6 +198,8 @@ class NodeAgent:
             except Exception:
                 log.exception("agent %s: main loop error", self.config.node_id)
         self._stop_workers("agent shutting down")
+        self.spare_pool.paused = True
+        self.spare_pool.stop_all(self.config.stop_grace)
 
     def shutdown(self) -> None:
         self._health_service.enter_graceful_shutdown()
@@ -228,6 +264,9 @@ class NodeAgent:
         with self._lock:
             self._state.worker_findings = []  # they were about the round that just ended
             self._state.gave_up = ""
+        if self.config.reform_in_place and mine and not record.closed and not self._state.draining:
+            self._join_in_place(record, self._assignment(record, mine[0]))
+            return
         self._stop_workers(f"round {record.number} {'closed: ' + record.reason if record.closed else 'opened'}")
         with self._lock:
             self._state.round = record
@@ -237,14 +276,7 @@ class NodeAgent:
             log.info("agent %s: not a member of round %d", self.config.node_id, record.number,
                      extra={"node": self.config.node_id, "round": record.number})
             return
-        m = mine[0]
-        assignment = RoundAssignment(
-            round=record.number, group_rank=m.node_rank, first_rank=m.first_rank,
-            local_world_size=m.local_world_size or self.config.workers, world_size=record.world_size,
-            master_addr=record.master_addr, master_port=record.master_port,
-            restore_step=record.restore_step if record.has_restore_step else None,
-            restart_count=self._state.restarts,
-        )
+        assignment = self._assignment(record, mine[0])
         now = time.monotonic()
         group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
                             extra_env={ENV_SOCKET: str(self.config.socket_path)}, cwd=self.config.cwd)
@@ -254,16 +286,207 @@ class NodeAgent:
             self._state.progress = {}
             for w in group.workers:
                 self.stalls.started(w.rank, now)
+        self._joined(record)
+
+    def _assignment(self, record: records_pb2.RoundRecord, m: records_pb2.RoundMember) -> RoundAssignment:
+        return RoundAssignment(
+            round=record.number, group_rank=m.node_rank, first_rank=m.first_rank,
+            local_world_size=m.local_world_size or self.config.workers, world_size=record.world_size,
+            master_addr=record.master_addr, master_port=record.master_port,
+            restore_step=record.restore_step if record.has_restore_step else None,
+            restart_count=self._state.restarts,
+        )
+
+    def _joined(self, record: records_pb2.RoundRecord) -> None:
         self._state.restarts += 1
         self.metrics.restarts.labels(self.config.node_id).inc()
         self.metrics.round.labels(self.config.node_id).set(record.number)
         self._publish_health(force=True)
+
+    def _unfit(self, w: Worker, assignment: RoundAssignment, connected: dict[int, int],
+               spare_streams: set[int]) -> tuple[str, bool] | None:
+        """Why ``w`` cannot be kept for the new round, and whether it is unhealthy (killed at
+        once rather than given its SIGTERM grace); None when it is kept. Caller holds the lock."""
+        if not w.running or w.stopping:
+            return "not running", True
+        if w.local_rank >= assignment.local_world_size:
+            return f"local rank {w.local_rank} is not in the new round", False
+        # A spare told to re-form in the round before keeps its spare stream until it acknowledges.
+        reforming = w.pid in self._state.pending and w.pid in spare_streams
+        if connected.get(w.local_rank) != w.pid and not reforming:
+            return "not connected to the agent", True
+        if self.stalls.stalled(w.rank):
+            return "stalled", True
+        try:
+            status = psutil.Process(w.pid).status()
+        except psutil.NoSuchProcess:
+            return "gone", True
+        if status == psutil.STATUS_STOPPED:
+            return "stopped (SIGSTOP)", True
+        if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return "exited", True
+        if w.pid not in self._state.can_reform and not reforming:
+            return "cannot re-form in place (no re-form handler)", False
+        return None
+
+    def _join_in_place(self, record: records_pb2.RoundRecord, assignment: RoundAssignment) -> None:
+        """Re-form into ``record``: Reform to kept workers first (the fast path), then spares into
+        empty local ranks, then stop what is left of the old round, then start new processes."""
+        node, now = self.config.node_id, time.monotonic()
+        self._clear_throttles()  # an injected slow-down ends with the round (and leaves the process running)
+        connected, spare_streams = self.channels.connected(), self.channels.spares()
+        keep: dict[int, Worker] = {}
+        drop: list[tuple[Worker, str, bool]] = []
+        with self._lock:
+            old = self._state.group
+            for w in (old.workers if old is not None else []):
+                unfit = self._unfit(w, assignment, connected, spare_streams)
+                if unfit is None:
+                    keep[w.local_rank] = w
+                elif w.running:
+                    drop.append((w, *unfit))
+                self.stalls.forget(w.rank)
+            self._state.pending = {}
+            group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
+                                extra_env={ENV_SOCKET: str(self.config.socket_path)}, cwd=self.config.cwd,
+                                reuse=keep, spawn_missing=False)
+            self._state.group = group
+            self._state.round = record
+            self._state.progress = {}
+            self._state.worker_findings = []
+        log.info("agent %s: round %d: keeping %d worker(s) in place, %d to stop, %d to fill", node, record.number,
+                 len(keep), len(drop), len(group.missing()), extra={"node": node, "round": record.number})
+        for w in list(keep.values()):
+            if not self._send_reform(group, w, record, now):
+                keep.pop(w.local_rank)
+                drop.append((w, "could not be told to re-form", True))
+        for lr in group.missing():
+            spare = self.spare_pool.take()
+            if spare is None:
+                break
+            self._adopt_spare(group, lr, spare, record, now)
+        for w, why, unhealthy in drop:
+            log.info("agent %s: round %d: stopping rank %d (pid %d): %s", node, record.number, w.rank, w.pid, why,
+                     extra={"node": node, "rank": w.rank, "round": record.number})
+        stop_workers([w for w, _, unhealthy in drop if unhealthy], 0.0)
+        stop_workers([w for w, _, unhealthy in drop if not unhealthy], self.config.stop_grace)
+        for lr in group.missing():
+            spawned = group.spawn(lr)
+            with self._lock:
+                self.stalls.started(spawned.rank, time.monotonic())
+        self._joined(record)
+
+    def _send_reform(self, group: WorkerGroup, w: Worker, record: records_pb2.RoundRecord, now: float) -> bool:
+        """Tell a live process its place in ``record``; False (and the place emptied) if it is not
+        connected."""
+        command = agent_pb2.AgentCommand(reform=agent_pb2.Reform(round=record, rank=w.rank,
+                                                                 world_size=record.world_size,
+                                                                 local_rank=w.local_rank))
+        with self._lock:
+            self._state.pending[w.pid] = _PendingReform(record.number, w.local_rank, w.rank, now,
+                                                        now + self.config.reform_timeout)
+            self.stalls.started(w.rank, now)
+        if self.channels.send_pid(w.pid, command):
+            self.metrics.reforms.labels(self.config.node_id, "sent").inc()
+            log.info("agent %s: round %d: re-form sent to rank %d (pid %d, local rank %d) of %d", self.config.node_id,
+                     record.number, w.rank, w.pid, w.local_rank, record.world_size,
+                     extra={"node": self.config.node_id, "rank": w.rank, "round": record.number})
+            return True
+        with self._lock:
+            self._state.pending.pop(w.pid, None)
+            self.stalls.forget(w.rank)
+            group.release(w.local_rank)
+        self.metrics.reforms.labels(self.config.node_id, "undeliverable").inc()
+        return False
+
+    def _adopt_spare(self, group: WorkerGroup, local_rank: int, spare: Worker, record: records_pb2.RoundRecord,
+                     now: float) -> bool:
+        with self._lock:
+            group.adopt(local_rank, spare)
+        if not self._send_reform(group, spare, record, now):
+            spare.kill()
+            return False
+        self.metrics.spare_assignments.labels(self.config.node_id).inc()
+        log.info("agent %s: round %d: spare (pid %d) takes rank %d (local rank %d)", self.config.node_id,
+                 record.number, spare.pid, spare.rank, local_rank,
+                 extra={"node": self.config.node_id, "rank": spare.rank, "round": record.number})
+        return True
+
+    def _refill(self, round_number: int, local_rank: int, pid: int) -> None:
+        """Give an emptied local rank of the current round a spare, else a new process (a worker
+        that did not acknowledge its re-form was killed)."""
+        with self._lock:
+            group, record = self._state.group, self._state.round
+            if group is None or record is None or record.number != round_number or record.closed:
+                return  # the round moved on; its own re-form filled every place
+            w = group.worker(local_rank)
+            if w is not None and w.pid != pid:
+                return
+            group.release(local_rank)
+        if w is not None:
+            try:
+                w.proc.wait(timeout=2)
+            except Exception:
+                log.warning("agent %s: killed pid %d has not exited yet", self.config.node_id, pid)
+        now = time.monotonic()
+        spare = self.spare_pool.take()
+        if spare is not None and self._adopt_spare(group, local_rank, spare, record, now):
+            return
+        if group.worker(local_rank) is None:
+            spawned = group.spawn(local_rank)
+            with self._lock:
+                self.stalls.started(spawned.rank, now)
+
+    def _check_reforms(self, now: float) -> None:
+        """Kill workers that did not acknowledge their re-form in time; the main loop refills."""
+        with self._lock:
+            expired = [(pid, p) for pid, p in self._state.pending.items() if now > p.deadline]
+            group = self._state.group
+            for pid, p in expired:
+                del self._state.pending[pid]
+                w = group.worker(p.local_rank) if group is not None else None
+                if w is None or w.pid != pid or not w.running:
+                    continue  # gone already: its exit was reported as such
+                self.stalls.forget(w.rank)
+                log.error("agent %s: rank %d (pid %d) did not acknowledge its re-form into round %d within %.1f s; "
+                          "killing and replacing it", self.config.node_id, p.rank, pid, p.round,
+                          self.config.reform_timeout, extra={"node": self.config.node_id, "rank": p.rank,
+                                                             "round": p.round})
+                self.metrics.reforms.labels(self.config.node_id, "timed-out").inc()
+                w.kill()
+                self._commands.put(("refill", (p.round, p.local_rank, pid)))
+
+    # -- spares ------------------------------------------------------------------------------
+
+    def _start_spare(self) -> Worker:
+        return start_spare(self.config.command, self.config.log_dir, self._spare_exited,
+                           extra_env={ENV_SOCKET: str(self.config.socket_path)}, cwd=self.config.cwd)
+
+    def _maintain_spares(self) -> None:
+        if self.spare_pool.wanted and not self._state.draining:
+            self.spare_pool.maintain()
+        self._spare_metrics()
+
+    def _spare_metrics(self) -> None:
+        spares = self.spare_pool.status()
+        ready = sum(1 for s in spares if s.ready)
+        self.metrics.spares.labels(self.config.node_id, "ready").set(ready)
+        self.metrics.spares.labels(self.config.node_id, "starting").set(len(spares) - ready)
+
+    def _spare_exited(self, exit_: WorkerExit) -> None:
+        """A spare's exit: not a worker failure (it held no rank); the pool replaces it."""
+        with self._lock:
+            self._state.can_reform.discard(exit_.pid)
+        if self.spare_pool.exited(exit_.pid):
+            self.metrics.faults.labels(self.config.node_id, f"spare-{exit_.kind.value}").inc()
+        self._commands.put(("call", lambda: None))  # wake the main loop to start a replacement
 
     def _stop_workers(self, why: str) -> None:
         self._clear_throttles()  # an injected slow-down ends with the workers it slowed
         with self._lock:
             group = self._state.group
             self._state.group = None
+            self._state.pending = {}
         if group is not None and group.running:
             log.info("agent %s: stopping workers: %s", self.config.node_id, why)
             group.stop(self.config.stop_grace)
@@ -274,8 +497,23 @@ class NodeAgent:
     def _worker_exited(self, exit_: WorkerExit) -> None:
         with self._lock:
             self._state.exits.append(exit_)
-            self.stalls.forget(exit_.rank)
+            pending = self._state.pending.pop(exit_.pid, None)
+            self._state.can_reform.discard(exit_.pid)
+            group = self._state.group
+            current = group.worker(exit_.local_rank) if group is not None else None
+            if current is None or current.pid == exit_.pid:  # not a replaced process's late exit
+                self.stalls.forget(exit_.rank)
             if exit_.kind in (ExitKind.SUCCESS, ExitKind.STOPPED):
+                return
+            if pending is not None and exit_.kind is not ExitKind.GAVE_UP:
+                # Died before acknowledging its re-form (it may have been dying already when the
+                # round came, or its old world's abort took it down): its place in this round is
+                # not lost, so fill it here instead of failing the round.
+                log.error("agent %s: rank %d (pid %d) died while re-forming into round %d (%s); replacing it",
+                          self.config.node_id, exit_.rank, exit_.pid, pending.round, exit_.reason,
+                          extra={"node": self.config.node_id, "rank": exit_.rank, "round": pending.round})
+                self.metrics.reforms.labels(self.config.node_id, "died").inc()
+                self._commands.put(("refill", (pending.round, pending.local_rank, exit_.pid)))
                 return
             if exit_.kind is ExitKind.GAVE_UP:
                 # Not a worker failure (the daemon would restart the round): the job gave up.
@@ -309,6 +547,7 @@ class NodeAgent:
     def _monitor(self) -> None:
         while not self._stop.wait(min(0.25, self.config.probe_interval)):
             now = time.monotonic()
+            self._check_reforms(now)
             for stall in self.stalls.check(now):
                 log.error("agent %s: rank %d stalled: no step for %.1f s (timeout %.1f s, last step %d)",
                           self.config.node_id, stall.rank, stall.silent_for, stall.timeout, stall.last_step,
@@ -434,15 +673,54 @@ class NodeAgent:
         with self._lock:
             return self._state.round.number if self._state.round else 0
 
-    def worker_hello(self, rank: int, local_rank: int, round_number: int, pid: int) -> None:
-        log.info("agent %s: rank %d (pid %d) connected for round %d", self.config.node_id, rank, pid, round_number,
-                 extra={"node": self.config.node_id, "rank": rank, "round": round_number})
+    def worker_hello(self, hello: HelloEvent) -> None:
+        node = self.config.node_id
+        if hello.spare:
+            if self.spare_pool.ready(hello.pid):
+                log.info("agent %s: spare (pid %d) ready", node, hello.pid, extra={"node": node})
+                self._spare_metrics()
+            else:
+                log.warning("agent %s: pid %d says it is a spare but is not one of ours", node, hello.pid,
+                            extra={"node": node})
+            return
+        if self.spare_pool.is_spare(hello.pid):
+            # A spare that did not say so: the command ignores STALWART_SPARE=1 and would train as
+            # a rank it was never given. Stop the spares rather than let them spin.
+            doomed = self.spare_pool.disable(f"spare pid {hello.pid} said Hello as rank {hello.rank}: the command "
+                                             "does not support STALWART_SPARE=1 (AgentClient.wait_for_assignment)")
+            for w in doomed:
+                w.kill()
+            return
+        log.info("agent %s: rank %d (pid %d) connected for round %d", node, hello.rank, hello.pid, hello.round,
+                 extra={"node": node, "rank": hello.rank, "round": hello.round})
+        now = time.monotonic()
         with self._lock:
-            p = self._state.progress.setdefault(rank, _Progress(busy=deque(maxlen=self.config.busy_window)))
-            p.local_rank = local_rank
+            if hello.can_reform:
+                self._state.can_reform.add(hello.pid)
+            else:
+                self._state.can_reform.discard(hello.pid)
+            pending = self._state.pending.get(hello.pid)
+            acked = pending is not None and hello.round >= pending.round and hello.rank == pending.rank
+            if acked:
+                assert pending is not None
+                del self._state.pending[hello.pid]
+                self.stalls.started(hello.rank, now)  # the first step after a re-form gets its allowance
+            p = self._state.progress.setdefault(hello.rank, _Progress(busy=deque(maxlen=self.config.busy_window)))
+            p.local_rank = hello.local_rank
+        if pending is not None and acked:
+            self.metrics.reforms.labels(node, "acknowledged").inc()
+            self.metrics.reform_seconds.labels(node).set(now - pending.sent)
+            log.info("agent %s: rank %d (pid %d) re-formed into round %d in %.3f s", node, hello.rank, hello.pid,
+                     hello.round, now - pending.sent, extra={"node": node, "rank": hello.rank, "round": hello.round})
+        elif pending is not None and hello.round >= pending.round:
+            log.error("agent %s: pid %d acknowledged round %d as rank %d, but was told rank %d", node, hello.pid,
+                      hello.round, hello.rank, pending.rank, extra={"node": node, "round": hello.round})
 
     def worker_step(self, event: StepEvent) -> None:
         with self._lock:
+            rnd = self._state.round
+            if event.round and rnd is not None and event.round < rnd.number:
+                return  # a kept worker still in its old world: its rank there is not its rank now
             self.stalls.step(event.rank, event.step, event.step_time, time.monotonic())
             p = self._state.progress.setdefault(event.rank, _Progress(busy=deque(maxlen=self.config.busy_window)))
             p.step, p.step_time, p.at = event.step, event.step_time, event.at
@@ -481,16 +759,20 @@ class NodeAgent:
                     state = agent_pb2.WORKER_RUNNING if w.running else (
                         agent_pb2.WORKER_SUCCEEDED if w.exit and w.exit.kind is ExitKind.SUCCESS
                         else agent_pb2.WORKER_FAILED)
+                    if w.running and w.pid in self._state.pending:
+                        state = agent_pb2.WORKER_REFORMING
                     workers.append(agent_pb2.WorkerStatus(
                         local_rank=w.local_rank, rank=w.rank, pid=w.pid, state=state, last_step=max(p.step, 0),
                         exit_code=w.exit.returncode if w.exit else 0, exit_reason=w.exit.reason if w.exit else "",
                         slowdown=slowdowns.get(w.local_rank, 0.0), busy_time=p.busy_median(),
-                        straggler=w.local_rank in stragglers))
+                        straggler=w.local_rank in stragglers, round=w.round, reformed=w.reformed))
             draining = self._state.draining
         node = records_pb2.NodeRecord(node_id=self.config.node_id, address=self.address, devices=self.config.workers,
                                       cordoned=draining)
+        spares = [agent_pb2.SpareStatus(pid=s.pid, ready=s.ready, age=s.age) for s in self.spare_pool.status()]
         return agent_pb2.NodeStatus(node=node, health=self._health_record(), round=rnd.number if rnd else 0,
-                                    workers=workers, draining=draining)
+                                    workers=workers, draining=draining, spares=spares,
+                                    spares_disabled=self.spare_pool.disabled)
 
     def drain(self, wait: bool, timeout: float) -> tuple[bool, str]:
         """Cordon this node so the daemon leaves it out of the next round, then stop the workers
@@ -551,7 +833,7 @@ class NodeAgent:
         sig = {"kill-worker": signal.SIGKILL, "hang-worker": signal.SIGSTOP}[kind]
         with self._lock:
             group = self._state.group
-        if group is None or not 0 <= device < len(group.workers) or not group.signal(device, sig):
+        if group is None or not group.signal(device, sig):
             raise FaultRefused(f"no running worker with local rank {device}")
         return f"sent {sig.name} to local rank {device}"
 
@@ -559,9 +841,9 @@ class NodeAgent:
         """(rank, pid) of the running worker of ``local_rank``; raises FaultRefused."""
         with self._lock:
             group = self._state.group
-            if group is None or not 0 <= local_rank < len(group.workers) or not group.workers[local_rank].running:
+            w = group.worker(local_rank) if group is not None else None
+            if w is None or not w.running:
                 raise FaultRefused(f"no running worker with local rank {local_rank}")
-            w = group.workers[local_rank]
             return w.rank, w.pid
 
     def _inject_training_fault(self, kind: str, local_rank: int, step: int, factor: float) -> str:

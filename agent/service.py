@@ -37,6 +37,20 @@ class StepEvent:
     loss: float
     at: float
     busy_time: float = 0.0
+    round: int = 0  # the round the worker's stream last said Hello for (0: unknown)
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class HelloEvent:
+    """A worker's Hello: the first message of its stream, or a later one after a re-form."""
+
+    rank: int
+    local_rank: int
+    round: int
+    pid: int
+    spare: bool = False
+    can_reform: bool = False
 
 
 class AgentCore(Protocol):
@@ -48,7 +62,7 @@ class AgentCore(Protocol):
         """Apply a fault; raises :class:`FaultRefused`."""
         ...
 
-    def worker_hello(self, rank: int, local_rank: int, round_number: int, pid: int) -> None: ...
+    def worker_hello(self, hello: HelloEvent) -> None: ...
 
     def worker_step(self, event: StepEvent) -> None: ...
 
@@ -107,29 +121,56 @@ _CLOSED = object()
 
 
 class WorkerChannels:
-    """The connected workers' outgoing command queues, by local rank.
+    """The connected workers' outgoing command queues, by local rank, and the warm spares', by pid.
 
     A worker's newest stream replaces an older one of the same local rank (a restarted worker);
-    a stream that ends removes only its own queue.
+    a stream that ends removes only its own queue. A spare's stream moves to its local rank when
+    it says Hello as a worker (:meth:`rebind`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queues: dict[int, tuple[int, queue.Queue[object]]] = {}
+        self._spares: dict[int, queue.Queue[object]] = {}
 
     def open(self, local_rank: int, pid: int) -> queue.Queue[object]:
         q: queue.Queue[object] = queue.Queue()
-        with self._lock:
-            old = self._queues.get(local_rank)
-            self._queues[local_rank] = (pid, q)
-        if old is not None:
-            old[1].put(_CLOSED)
+        self._bind(q, local_rank, pid)
         return q
 
-    def close(self, local_rank: int, q: queue.Queue[object]) -> None:
+    def open_spare(self, pid: int) -> queue.Queue[object]:
+        q: queue.Queue[object] = queue.Queue()
         with self._lock:
-            if self._queues.get(local_rank, (0, None))[1] is q:
-                del self._queues[local_rank]
+            old = self._spares.get(pid)
+            self._spares[pid] = q
+        if old is not None:
+            old.put(_CLOSED)
+        return q
+
+    def rebind(self, q: queue.Queue[object], local_rank: int, pid: int) -> None:
+        """The stream of ``q`` now belongs to the worker of ``local_rank`` (a spare that took a
+        place, or a kept worker whose local rank is the same as before)."""
+        self._bind(q, local_rank, pid)
+
+    def _bind(self, q: queue.Queue[object], local_rank: int, pid: int) -> None:
+        with self._lock:
+            self._unlink(q)
+            old = self._queues.get(local_rank)
+            self._queues[local_rank] = (pid, q)
+        if old is not None and old[1] is not q:
+            old[1].put(_CLOSED)
+
+    def _unlink(self, q: queue.Queue[object]) -> None:
+        for rank, (_, other) in list(self._queues.items()):
+            if other is q:
+                del self._queues[rank]
+        for pid, other in list(self._spares.items()):
+            if other is q:
+                del self._spares[pid]
+
+    def close(self, q: queue.Queue[object]) -> None:
+        with self._lock:
+            self._unlink(q)
         q.put(_CLOSED)
 
     def send(self, local_rank: int, command: agent_pb2.AgentCommand, pid: int | None = None) -> bool:
@@ -142,9 +183,34 @@ class WorkerChannels:
         entry[1].put(command)
         return True
 
+    def send_pid(self, pid: int, command: agent_pb2.AgentCommand) -> bool:
+        """Queue a command for the process ``pid``, worker or spare; False if it is not connected."""
+        with self._lock:
+            q = self._spares.get(pid) or next((q for p, q in self._queues.values() if p == pid), None)
+        if q is None:
+            return False
+        q.put(command)
+        return True
+
     def connected(self) -> dict[int, int]:
         with self._lock:
             return {rank: pid for rank, (pid, _) in self._queues.items()}
+
+    def spares(self) -> set[int]:
+        """Pids of the connected spares."""
+        with self._lock:
+            return set(self._spares)
+
+
+@dataclass
+class _Stream:
+    """What a stream's worker last said it is (a later Hello changes it)."""
+
+    rank: int
+    local_rank: int
+    round: int
+    pid: int
+    spare: bool
 
 
 class ProgressServicer(agent_pb2_grpc.ProgressServicer):
@@ -161,37 +227,55 @@ class ProgressServicer(agent_pb2_grpc.ProgressServicer):
         if first is None or first.WhichOneof("kind") != "hello":
             return  # a stream must start with Hello
         hello = first.hello
-        self._core.worker_hello(hello.rank, hello.local_rank, hello.round, hello.pid)
-        outbox = self.channels.open(hello.local_rank, hello.pid)
-        reader = threading.Thread(target=self._read, args=(request_iterator, hello.rank, hello.local_rank, outbox),
-                                  daemon=True, name=f"progress-rank-{hello.rank}")
+        stream = _Stream(hello.rank, hello.local_rank, hello.round, hello.pid, hello.spare)
+        if hello.spare:
+            outbox = self.channels.open_spare(hello.pid)
+        else:
+            outbox = self.channels.open(hello.local_rank, hello.pid)
+        self._core.worker_hello(_hello_event(hello))
+        reader = threading.Thread(target=self._read, args=(request_iterator, stream, outbox),
+                                  daemon=True, name=f"progress-pid-{hello.pid}")
         reader.start()
-        context.add_callback(lambda: self.channels.close(hello.local_rank, outbox))
+        context.add_callback(lambda: self.channels.close(outbox))
         while True:
             item = outbox.get()
             if item is _CLOSED:
                 return
             yield item  # type: ignore[misc]
 
-    def _read(self, request_iterator: Iterator[agent_pb2.WorkerMessage], rank: int, local_rank: int,
+    def _read(self, request_iterator: Iterator[agent_pb2.WorkerMessage], stream: _Stream,
               outbox: queue.Queue[object]) -> None:
         try:
             for msg in request_iterator:
                 which = msg.WhichOneof("kind")
+                if stream.spare and which in ("step", "checkpoint"):
+                    continue  # a spare holds no rank: what it reports belongs to no one
                 if which == "step":
                     s = msg.step
-                    self._core.worker_step(StepEvent(rank, s.step, s.step_time, s.loss, s.time, s.busy_time))
+                    self._core.worker_step(StepEvent(stream.rank, s.step, s.step_time, s.loss, s.time, s.busy_time,
+                                                     stream.round, stream.pid))
                 elif which == "checkpoint":
                     c = msg.checkpoint
-                    self._core.worker_checkpoint(rank, c.step, c.path, c.committed)
+                    self._core.worker_checkpoint(stream.rank, c.step, c.path, c.committed)
+                elif which == "hello":  # re-formed (or a spare that took a place), or newly able to re-form
+                    h = msg.hello
+                    stream.rank, stream.local_rank, stream.round, stream.spare = h.rank, h.local_rank, h.round, h.spare
+                    if not h.spare:
+                        self.channels.rebind(outbox, h.local_rank, stream.pid)
+                    self._core.worker_hello(_hello_event(h, stream.pid))
                 elif which == "goodbye":
                     break
         except grpc.RpcError:
             pass  # the worker went away; its exit is reported by the worker group
         except Exception:
-            log.exception("progress stream of rank %d failed", rank, extra={"rank": rank})
+            log.exception("progress stream of rank %d failed", stream.rank, extra={"rank": stream.rank})
         finally:
-            self.channels.close(local_rank, outbox)
+            self.channels.close(outbox)
+
+
+def _hello_event(h: agent_pb2.Hello, pid: int | None = None) -> HelloEvent:
+    return HelloEvent(rank=h.rank, local_rank=h.local_rank, round=h.round, pid=pid or h.pid, spare=h.spare,
+                      can_reform=h.can_reform)
 
 
 def _read(path: str | None, what: str) -> bytes | None:

@@ -64,6 +64,11 @@ class StallDetector:
             w.times.append(step_time)
         w.last_step, w.last_step_at, w.stalled = step, now, False
 
+    def stalled(self, rank: int) -> bool:
+        """Was this rank declared stalled, with no step since? (Such a worker is not kept in place.)"""
+        w = self._workers.get(rank)
+        return w is not None and w.stalled
+
     def timeout(self, rank: int) -> float:
         w = self._workers[rank]
         if w.last_step_at is None:

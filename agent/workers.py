@@ -122,14 +122,33 @@ def classify(returncode: int, stopping: bool, oom_before: int) -> tuple[ExitKind
     return ExitKind.SIGNAL, f"killed by {name}"
 
 
+# torchrun's per-rank variables: a warm spare has no rank yet, so it must not inherit any.
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+             "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "STALWART_ROUND", "STALWART_RESTORE_STEP",
+             "TORCHELASTIC_RESTART_COUNT")
+ENV_SPARE = "STALWART_SPARE"  # same value as stalwart.trainer.reform.ENV_SPARE (no trainer import here)
+
+
 class Worker:
-    def __init__(self, local_rank: int, rank: int, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    """One supervised process. Its rank, local rank, round and exit handler can change while it
+    lives: a kept worker moves from round to round, a warm spare becomes a worker. The waiting
+    thread reads them when the process exits, so the exit is reported with its latest place."""
+
+    def __init__(self, local_rank: int, rank: int, proc: subprocess.Popen[bytes], log_path: Path, *,
+                 round: int = 0, spare: bool = False, on_exit: Callable[[WorkerExit], None] | None = None,
+                 oom_before: int = 0) -> None:
         self.local_rank = local_rank
         self.rank = rank
         self.proc = proc
         self.log_path = log_path
+        self.round = round
+        self.spare = spare
         self.stopping = False
         self.exit: WorkerExit | None = None
+        self.started_at = time.monotonic()
+        self.reformed = False  # kept from an earlier round or taken from the spares
+        self.on_exit = on_exit
+        self._oom_before = oom_before
 
     @property
     def pid(self) -> int:
@@ -139,9 +158,116 @@ class Worker:
     def running(self) -> bool:
         return self.exit is None
 
+    def watch(self) -> None:
+        threading.Thread(target=self._wait, daemon=True, name=f"worker-wait {self.pid}").start()
+
+    def _wait(self) -> None:
+        returncode = self.proc.wait()
+        kind, reason = classify(returncode, self.stopping, self._oom_before)
+        self.exit = WorkerExit(self.local_rank, self.rank, self.pid, returncode, kind, reason, time.time(),
+                               self.round)
+        level = logging.INFO if kind in (ExitKind.SUCCESS, ExitKind.STOPPED) else logging.ERROR
+        what = "spare" if self.spare else f"rank {self.rank}"
+        log.log(level, "round %d: %s (pid %d) exited: %s", self.round, what, self.pid, reason,
+                extra={"round": self.round, "rank": self.rank})
+        handler = self.on_exit
+        if handler is None:
+            return
+        try:
+            handler(self.exit)
+        except Exception:
+            log.exception("worker exit handler failed")
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the worker's process group."""
+        if not self.running:
+            return False
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL now, as the agent's own decision (the exit is STOPPED, not a failure)."""
+        self.stopping = True
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: str | None) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(die_with_parent(list(command)), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_spare(command: Sequence[str], log_dir: Path, on_exit: Callable[[WorkerExit], None], *,
+                extra_env: Mapping[str, str] | None = None, cwd: str | None = None) -> Worker:
+    """Start a warm spare: the worker command with ``STALWART_SPARE=1`` and no rank. It imports
+    and builds what it can, then waits on the progress channel for a rank. Like a worker it gets
+    the parent-death signal, so create it from the agent's main loop thread."""
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+    env.update(extra_env or {})
+    env[ENV_SPARE] = "1"
+    spare_dir = log_dir / "spares"
+    spare_dir.mkdir(parents=True, exist_ok=True)
+    log_path = spare_dir / f"spare-{time.time_ns()}.log"
+    proc = _spawn(command, env, log_path, cwd)
+    final = spare_dir / f"spare-{proc.pid}.log"
+    try:
+        log_path.rename(final)  # the open file follows the rename
+        log_path = final
+    except OSError:
+        pass
+    worker = Worker(-1, -1, proc, log_path, spare=True, on_exit=on_exit, oom_before=_oom_kills())
+    worker.watch()
+    log.info("started a warm spare (pid %d), log %s", proc.pid, log_path)
+    return worker
+
+
+def stop_workers(workers: Sequence[Worker], grace: float) -> list[WorkerExit]:
+    """SIGTERM each worker's process group, SIGKILL what is left after ``grace`` seconds."""
+    for w in workers:
+        if w.running:
+            w.stopping = True
+            for sig in (signal.SIGTERM, signal.SIGCONT):  # a stopped process must wake to die
+                try:
+                    os.killpg(w.pid, sig)
+                except ProcessLookupError:
+                    pass
+    deadline = time.monotonic() + grace
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("round %d: rank %d ignored SIGTERM for %.1f s; killing it", w.round, w.rank, grace,
+                        extra={"round": w.round, "rank": w.rank})
+            try:
+                os.killpg(w.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            w.proc.wait()
+        try:  # anything the worker left in its group
+            os.killpg(w.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + 2
+    while any(w.exit is None for w in workers) and time.monotonic() < end:
+        time.sleep(0.01)  # let the waiting threads record the exits
+    return [w.exit for w in workers if w.exit is not None]
+
 
 class WorkerGroup:
-    """The workers of one round. ``on_exit`` is called from a waiting thread for every exit.
+    """The workers of one round, by local rank. ``on_exit`` is called from a waiting thread for
+    every exit.
+
+    ``reuse`` maps local ranks to live processes that take those places instead of new ones (a
+    worker kept from the previous round, a warm spare); the caller tells them their new place.
+    With ``spawn_missing=False`` the other local ranks stay empty until :meth:`spawn` or
+    :meth:`adopt` fills them.
 
     Create it from a thread that lives as long as the workers should (the agent's main loop):
     the kernel's parent-death signal fires when the creating *thread* ends.
@@ -156,84 +282,95 @@ class WorkerGroup:
         *,
         extra_env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        reuse: Mapping[int, Worker] | None = None,
+        spawn_missing: bool = True,
     ) -> None:
         self.assignment = assignment
-        self.workers: list[Worker] = []
+        self._command = list(command)
+        self._extra_env = dict(extra_env or {})
+        self._cwd = cwd
+        self._slots: dict[int, Worker] = {}
         self._on_exit = on_exit
         self._oom_before = _oom_kills()
-        self._lock = threading.Lock()
-        round_dir = log_dir / f"round-{assignment.round:06d}"
-        round_dir.mkdir(parents=True, exist_ok=True)
-        for local_rank in range(assignment.local_world_size):
-            env = dict(os.environ)
-            env.update(extra_env or {})
-            env.update(assignment.env(local_rank))
-            log_path = round_dir / f"rank-{assignment.first_rank + local_rank:05d}.log"
-            with open(log_path, "ab") as out:
-                proc = subprocess.Popen(die_with_parent(list(command)), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            worker = Worker(local_rank, assignment.first_rank + local_rank, proc, log_path)
-            self.workers.append(worker)
-            threading.Thread(target=self._wait, args=(worker,), daemon=True,
-                             name=f"worker-wait {worker.rank}").start()
-            log.info("round %d: started rank %d (pid %d), log %s", assignment.round, worker.rank, proc.pid,
-                     log_path, extra={"round": assignment.round, "rank": worker.rank})
+        self._round_dir = log_dir / f"round-{assignment.round:06d}"
+        self._round_dir.mkdir(parents=True, exist_ok=True)
+        for local_rank, worker in sorted((reuse or {}).items()):
+            self.adopt(local_rank, worker)
+        if spawn_missing:
+            for local_rank in range(assignment.local_world_size):
+                if local_rank not in self._slots:
+                    self.spawn(local_rank)
 
-    def _wait(self, worker: Worker) -> None:
-        returncode = worker.proc.wait()
-        kind, reason = classify(returncode, worker.stopping, self._oom_before)
-        worker.exit = WorkerExit(worker.local_rank, worker.rank, worker.pid, returncode, kind, reason, time.time(),
-                                 self.assignment.round)
-        level = logging.INFO if kind in (ExitKind.SUCCESS, ExitKind.STOPPED) else logging.ERROR
-        log.log(level, "round %d: rank %d (pid %d) exited: %s", self.assignment.round, worker.rank, worker.pid,
-                reason, extra={"round": self.assignment.round, "rank": worker.rank})
+    @property
+    def workers(self) -> list[Worker]:
+        return [self._slots[lr] for lr in sorted(self._slots)]
+
+    def worker(self, local_rank: int) -> Worker | None:
+        return self._slots.get(local_rank)
+
+    def missing(self) -> list[int]:
+        """Local ranks of this round without a process."""
+        return [lr for lr in range(self.assignment.local_world_size) if lr not in self._slots]
+
+    def _log_path(self, rank: int) -> Path:
+        path = self._round_dir / f"rank-{rank:05d}.log"
+        n = 1
+        while path.exists() or path.is_symlink():
+            path = self._round_dir / f"rank-{rank:05d}.{n}.log"
+            n += 1
+        return path
+
+    def spawn(self, local_rank: int) -> Worker:
+        """Start a new process for ``local_rank`` with the round's torchrun environment."""
+        a = self.assignment
+        env = dict(os.environ)
+        env.update(self._extra_env)
+        env.update(a.env(local_rank))
+        log_path = self._round_dir / f"rank-{a.first_rank + local_rank:05d}.log"
+        if log_path.is_symlink():  # a kept worker's log: the new process writes its own
+            log_path = self._log_path(a.first_rank + local_rank)
+        proc = _spawn(self._command, env, log_path, self._cwd)
+        worker = Worker(local_rank, a.first_rank + local_rank, proc, log_path, round=a.round, on_exit=self._on_exit,
+                        oom_before=self._oom_before)
+        self._slots[local_rank] = worker
+        worker.watch()
+        log.info("round %d: started rank %d (pid %d), log %s", a.round, worker.rank, proc.pid, log_path,
+                 extra={"round": a.round, "rank": worker.rank})
+        return worker
+
+    def adopt(self, local_rank: int, worker: Worker) -> Worker:
+        """Give ``local_rank`` of this round to a live process. A spare's log moves to the round's
+        naming; a kept worker's log stays where it is and the round's name links to it."""
+        a = self.assignment
+        worker.local_rank, worker.rank, worker.round = local_rank, a.first_rank + local_rank, a.round
+        worker.on_exit = self._on_exit
+        worker.reformed = True
+        path = self._log_path(worker.rank)
         try:
-            self._on_exit(worker.exit)
-        except Exception:
-            log.exception("worker exit handler failed")
+            if worker.spare:
+                worker.log_path.rename(path)
+                worker.log_path = path
+            else:
+                path.symlink_to(worker.log_path.resolve())
+        except OSError as exc:
+            log.warning("round %d: cannot name the log of rank %d: %s", a.round, worker.rank, exc)
+        worker.spare = False
+        self._slots[local_rank] = worker
+        return worker
+
+    def release(self, local_rank: int) -> Worker | None:
+        """Take a worker out of the group (it is being stopped or replaced by the caller)."""
+        return self._slots.pop(local_rank, None)
 
     def signal(self, local_rank: int, sig: int) -> bool:
         """Send ``sig`` to one worker's process group (fault injection: SIGKILL, SIGSTOP)."""
-        worker = self.workers[local_rank]
-        if not worker.running:
-            return False
-        try:
-            os.killpg(worker.pid, sig)
-        except ProcessLookupError:
-            return False
-        return True
+        worker = self._slots.get(local_rank)
+        return worker is not None and worker.signal(sig)
 
     def stop(self, grace: float) -> list[WorkerExit]:
         """SIGTERM every worker's process group, SIGKILL what is left after ``grace`` seconds."""
-        for w in self.workers:
-            if w.running:
-                w.stopping = True
-                for sig in (signal.SIGTERM, signal.SIGCONT):  # a stopped process must wake to die
-                    try:
-                        os.killpg(w.pid, sig)
-                    except ProcessLookupError:
-                        pass
-        deadline = time.monotonic() + grace
-        for w in self.workers:
-            try:
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("round %d: rank %d ignored SIGTERM for %.1f s; killing it", self.assignment.round,
-                            w.rank, grace)
-                try:
-                    os.killpg(w.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                w.proc.wait()
-            try:  # anything the worker left in its group
-                os.killpg(w.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + 2
-        while any(w.exit is None for w in self.workers) and time.monotonic() < end:
-            time.sleep(0.01)  # let the waiting threads record the exits
-        return [w.exit for w in self.workers if w.exit is not None]
+        return stop_workers(self.workers, grace)
 
     @property
     def running(self) -> bool:
-        return any(w.running for w in self.workers)
+        return any(w.running for w in self._slots.values())

@@ -16,6 +16,7 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STOPPING: _ClassVar[WorkerState]
     WORKER_SUCCEEDED: _ClassVar[WorkerState]
     WORKER_FAILED: _ClassVar[WorkerState]
+    WORKER_REFORMING: _ClassVar[WorkerState]
 
 class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +37,7 @@ WORKER_RUNNING: WorkerState
 WORKER_STOPPING: WorkerState
 WORKER_SUCCEEDED: WorkerState
 WORKER_FAILED: WorkerState
+WORKER_REFORMING: WorkerState
 FAULT_UNSPECIFIED: FaultKind
 FAULT_GPU_XID: FaultKind
 FAULT_GPU_ECC_DBE: FaultKind
@@ -53,7 +55,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("local_rank", "rank", "pid", "state", "last_step", "exit_code", "exit_reason", "busy_time", "straggler", "slowdown")
+    __slots__ = ("local_rank", "rank", "pid", "state", "last_step", "exit_code", "exit_reason", "busy_time", "straggler", "slowdown", "round", "reformed")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,8 @@ class WorkerStatus(_message.Message):
     BUSY_TIME_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FIELD_NUMBER: _ClassVar[int]
     SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REFORMED_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     rank: int
     pid: int
@@ -74,21 +78,37 @@ class WorkerStatus(_message.Message):
     busy_time: float
     straggler: bool
     slowdown: float
-    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_step: _Optional[int] = ..., exit_code: _Optional[int] = ..., exit_reason: _Optional[str] = ..., busy_time: _Optional[float] = ..., straggler: _Optional[bool] = ..., slowdown: _Optional[float] = ...) -> None: ...
+    round: int
+    reformed: bool
+    def __init__(self, local_rank: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., last_step: _Optional[int] = ..., exit_code: _Optional[int] = ..., exit_reason: _Optional[str] = ..., busy_time: _Optional[float] = ..., straggler: _Optional[bool] = ..., slowdown: _Optional[float] = ..., round: _Optional[int] = ..., reformed: _Optional[bool] = ...) -> None: ...
+
+class SpareStatus(_message.Message):
+    __slots__ = ("pid", "ready", "age")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    AGE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    ready: bool
+    age: float
+    def __init__(self, pid: _Optional[int] = ..., ready: _Optional[bool] = ..., age: _Optional[float] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node", "health", "round", "workers", "draining")
+    __slots__ = ("node", "health", "round", "workers", "draining", "spares", "spares_disabled")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    SPARES_DISABLED_FIELD_NUMBER: _ClassVar[int]
     node: _records_pb2.NodeRecord
     health: _records_pb2.HealthRecord
     round: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     draining: bool
-    def __init__(self, node: _Optional[_Union[_records_pb2.NodeRecord, _Mapping]] = ..., health: _Optional[_Union[_records_pb2.HealthRecord, _Mapping]] = ..., round: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    spares: _containers.RepeatedCompositeFieldContainer[SpareStatus]
+    spares_disabled: str
+    def __init__(self, node: _Optional[_Union[_records_pb2.NodeRecord, _Mapping]] = ..., health: _Optional[_Union[_records_pb2.HealthRecord, _Mapping]] = ..., round: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., draining: _Optional[bool] = ..., spares: _Optional[_Iterable[_Union[SpareStatus, _Mapping]]] = ..., spares_disabled: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("wait", "timeout")
@@ -155,16 +175,20 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "local_rank", "round", "pid")
+    __slots__ = ("rank", "local_rank", "round", "pid", "spare", "can_reform")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    CAN_REFORM_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     round: int
     pid: int
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., round: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    spare: bool
+    can_reform: bool
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., round: _Optional[int] = ..., pid: _Optional[int] = ..., spare: _Optional[bool] = ..., can_reform: _Optional[bool] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("step", "step_time", "loss", "time", "busy_time")
@@ -219,14 +243,16 @@ class InjectTrainingFault(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., step: _Optional[int] = ..., factor: _Optional[float] = ...) -> None: ...
 
 class Reform(_message.Message):
-    __slots__ = ("round", "rank", "world_size")
+    __slots__ = ("round", "rank", "world_size", "local_rank")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     round: _records_pb2.RoundRecord
     rank: int
     world_size: int
-    def __init__(self, round: _Optional[_Union[_records_pb2.RoundRecord, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    local_rank: int
+    def __init__(self, round: _Optional[_Union[_records_pb2.RoundRecord, _Mapping]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class Stop(_message.Message):
     __slots__ = ("reason", "grace")

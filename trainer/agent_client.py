@@ -7,7 +7,18 @@ queued and sent by a background thread: a slow or absent agent never blocks a tr
 The agent answers on the same stream with commands. A training-fault injection (the agent's
 ``FAULT_NAN_LOSS``/``FAULT_LOSS_SPIKE``) is passed to the handler set with
 :meth:`AgentClient.set_fault_handler`; one that arrives before a handler is set is kept and passed
-when it is set. With ``STALWART_COLLECTIVE_TIMER`` unset or ``1``, the client installs the
+when it is set.
+
+In-place re-form: a worker that calls :meth:`AgentClient.set_reform_handler` tells the agent it can
+re-form (its Hello says ``can_reform``), so at the next round the agent keeps it and sends it a
+``Reform`` (its new rank, world size and round) instead of restarting it. The handler gets a
+:class:`~stalwart.trainer.reform.ReformSpec`; once the trainer has re-formed it calls
+:meth:`AgentClient.reformed`, which says Hello again with the new round and rank — the agent's
+acknowledgement (without it the agent SIGKILLs the worker after its ``reform_timeout``). A warm
+spare (``STALWART_SPARE=1``) says Hello as a spare and blocks in
+:meth:`AgentClient.wait_for_assignment` until the agent gives it a rank.
+
+With ``STALWART_COLLECTIVE_TIMER`` unset or ``1``, the client installs the
 collective timer (:mod:`stalwart.trainer.collective_timer`) so each step report carries its busy
 time (wall time minus time blocked in ``torch.distributed`` collectives).
 """
@@ -24,6 +35,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from stalwart.proto import agent_pb2, agent_pb2_grpc
+from stalwart.trainer.reform import ReformSpec, is_spare
 
 log = logging.getLogger(__name__)
 ENV_SOCKET = "STALWART_AGENT_SOCKET"
@@ -34,10 +46,14 @@ FaultHandler = Callable[[str, int, float], None]
 """``handler(kind, step, factor)``: kind is ``"nan"`` or ``"spike"``; called from the client's
 receiving thread, so it should only record the fault for the training loop to apply."""
 
+ReformHandler = Callable[[ReformSpec], None]
+"""``handler(spec)``: called from the client's receiving thread when the agent sends a new world;
+it should hand the spec to the training loop (or abort a collective stuck on a lost peer)."""
+
 
 class AgentClient:
     def __init__(self, socket_path: str | None = None, *, rank: int | None = None, local_rank: int | None = None,
-                 round_number: int | None = None) -> None:
+                 round_number: int | None = None, spare: bool | None = None) -> None:
         self.socket_path = socket_path if socket_path is not None else os.environ.get(ENV_SOCKET)
         self.enabled = bool(self.socket_path)
         self._queue: queue.Queue[object] = queue.Queue(maxsize=10_000)
@@ -45,6 +61,15 @@ class AgentClient:
         self._fault_lock = threading.Lock()
         self._fault_handler: FaultHandler | None = None
         self._pending_faults: list[tuple[str, int, float]] = []
+        self._reform_handler: ReformHandler | None = None
+        self._pending_reforms: list[ReformSpec] = []
+        self._last_local_rank: int | None = None  # of the newest Reform: a spare learns its device from it
+        self._assignments: queue.Queue[ReformSpec] = queue.Queue()
+        self._assigned = False  # a spare's first assignment was handed out
+        self.spare = is_spare() if spare is None else spare
+        self.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
+        self.local_rank = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
+        self.round = round_number if round_number is not None else int(os.environ.get("STALWART_ROUND", "0"))
         self._timer = None
         if not self.enabled:
             return
@@ -52,15 +77,15 @@ class AgentClient:
             from stalwart.trainer import collective_timer
 
             self._timer = collective_timer.install()
-        hello = agent_pb2.Hello(
-            rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
-            local_rank=local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0")),
-            round=round_number if round_number is not None else int(os.environ.get("STALWART_ROUND", "0")),
-            pid=os.getpid(),
-        )
-        self._queue.put(agent_pb2.WorkerMessage(hello=hello))
+        self._queue.put(agent_pb2.WorkerMessage(hello=self._hello()))
         self._thread = threading.Thread(target=self._run, daemon=True, name="stalwart-agent-client")
         self._thread.start()
+
+    def _hello(self) -> agent_pb2.Hello:
+        if self.spare:
+            return agent_pb2.Hello(pid=os.getpid(), spare=True, can_reform=True)
+        return agent_pb2.Hello(rank=self.rank, local_rank=self.local_rank, round=self.round, pid=os.getpid(),
+                               can_reform=self._reform_handler is not None)
 
     def _messages(self) -> Iterator[agent_pb2.WorkerMessage]:
         while True:
@@ -80,8 +105,11 @@ class AgentClient:
 
     def _command(self, command: agent_pb2.AgentCommand) -> None:
         which = command.WhichOneof("kind")
+        if which == "reform":
+            self._reform(command.reform)
+            return
         if which != "inject_fault":
-            return  # reform/stop: handled once in-place re-form exists
+            return  # stop: the agent stops a worker with signals
         fault = (command.inject_fault.kind, int(command.inject_fault.step), float(command.inject_fault.factor))
         log.warning("agent injects a training fault: %s at step %d (factor %g)", *fault)
         with self._fault_lock:
@@ -97,6 +125,82 @@ class AgentClient:
             handler(*fault)
         except Exception:  # a broken handler must not end the progress stream
             log.exception("training-fault handler failed on %s", fault)
+
+    def _reform(self, reform: agent_pb2.Reform) -> None:
+        try:
+            spec = ReformSpec.from_proto(reform, local_rank=int(reform.local_rank))
+        except ValueError as exc:
+            log.error("agent sent an invalid re-form (%s); ignored", exc)
+            return
+        log.info("agent re-forms this worker: rank %d of %d, local rank %d, round %d", spec.rank, spec.world_size,
+                 spec.local_rank, spec.round, extra={"rank": spec.rank, "round": spec.round})
+        with self._fault_lock:
+            self._last_local_rank = spec.local_rank
+            if self.spare and not self._assigned:
+                self._assignments.put(spec)
+                return
+            handler = self._reform_handler
+            if handler is None:
+                self._pending_reforms.append(spec)
+                return
+        self._call_reform(handler, spec)
+
+    @staticmethod
+    def _call_reform(handler: ReformHandler, spec: ReformSpec) -> None:
+        try:
+            handler(spec)
+        except Exception:  # a broken handler must not end the progress stream
+            log.exception("re-form handler failed on %s", spec)
+
+    def set_reform_handler(self, fn: ReformHandler) -> None:
+        """Receive the agent's re-form commands; tells the agent this worker can re-form in place
+        (a Hello with ``can_reform``), so the agent keeps it across rounds instead of restarting it."""
+        with self._fault_lock:
+            self._reform_handler = fn
+            pending, self._pending_reforms = self._pending_reforms, []
+        if self.enabled and not self.spare:
+            self._put(agent_pb2.WorkerMessage(hello=self._hello()))
+        for spec in pending:
+            self._call_reform(fn, spec)
+
+    def wait_for_assignment(self, timeout: float | None = None) -> ReformSpec:
+        """A warm spare's wait for its place in a round (the agent's Reform). Returns the spec;
+        the caller joins that world, then calls :meth:`reformed`. Raises ``TimeoutError`` after
+        ``timeout`` seconds, ``RuntimeError`` when this process is not a spare of an agent."""
+        if not (self.enabled and self.spare):
+            raise RuntimeError("wait_for_assignment: not a spare of a stalwart agent (STALWART_SPARE=1 and "
+                               f"{ENV_SOCKET} are set by the agent)")
+        try:
+            spec = self._assignments.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no assignment from the agent within {timeout:g} s") from None
+        with self._fault_lock:
+            # A newer round may come before this spare joins its first one: that Reform goes to
+            # the re-form handler (kept until one is set), like any worker's.
+            self._assigned = True
+            later = []
+            while not self._assignments.empty():
+                later.append(self._assignments.get_nowait())
+            handler = self._reform_handler
+            if handler is None:
+                self._pending_reforms.extend(later)
+        if handler is not None:
+            for newer in later:
+                self._call_reform(handler, newer)
+        return spec
+
+    def reformed(self, round_number: int, rank: int, local_rank: int | None = None) -> None:
+        """Tell the agent this worker now runs as ``rank`` in ``round_number`` (after a re-form or,
+        for a spare, after joining its first world). The agent kills a worker that does not."""
+        with self._fault_lock:
+            self.spare = False
+            self.rank, self.round = rank, round_number
+            if local_rank is not None:
+                self.local_rank = local_rank
+            elif self._last_local_rank is not None:
+                self.local_rank = self._last_local_rank
+        if self.enabled:
+            self._put(agent_pb2.WorkerMessage(hello=self._hello()))
 
     def set_fault_handler(self, fn: FaultHandler) -> None:
         """Receive the agent's training-fault injections (``kind``, ``step``, ``factor``)."""
