@@ -28,7 +28,7 @@ from stalwart.ckpt.errors import (
 from stalwart.ckpt.layout import Box, Region, split_evenly
 from stalwart.ckpt.loader import LoadResult, load
 from stalwart.ckpt.retention import GcReport, RetentionPolicy, collect_garbage
-from stalwart.ckpt.saver import Checkpointer, CommitInfo, SaveConfig, SaveHandle
+from stalwart.ckpt.saver import Checkpointer, CommitInfo, CommittedSnapshot, SaveConfig, SaveHandle
 from stalwart.ckpt.shard import Shard
 from stalwart.ckpt.storage import CheckpointInfo, list_checkpoints, read_manifest
 from stalwart.ckpt.verify import VerifyReport, inspect, verify
@@ -45,6 +45,7 @@ __all__ = [
     "CodecPolicy",
     "CommitFailed",
     "CommitInfo",
+    "CommittedSnapshot",
     "CommitTimeout",
     "Coordinator",
     "GcReport",

@@ -60,7 +60,7 @@ from stalwart.ckpt.format import (
     pack_header,
     shard_file_name,
 )
-from stalwart.ckpt.layout import chunk_bounds
+from stalwart.ckpt.layout import Region, chunk_bounds
 from stalwart.ckpt.retention import RetentionPolicy, collect_garbage
 from stalwart.ckpt.shard import Entry, Shard, entries_for_save
 from stalwart.ckpt.writer import DirectIO, ShardWriter
@@ -82,6 +82,9 @@ class SaveConfig:
     retention: RetentionPolicy | None = field(default_factory=RetentionPolicy)
     max_metadata_bytes: int = 1 << 20
     direct_io: DirectIO = "auto"
+    keep_committed: bool = False
+    """Keep the host snapshot of the last committed save (:meth:`Checkpointer.committed_snapshot`):
+    two host buffers alternate, so the next save never overwrites it. Costs a second buffer."""
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= 1 << 30:
@@ -98,6 +101,16 @@ class SaveConfig:
             raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
         if self.max_metadata_bytes < 0:
             raise ValueError(f"max_metadata_bytes must be >= 0, got {self.max_metadata_bytes}")
+
+
+@dataclass(frozen=True)
+class CommittedSnapshot:
+    """This rank's part of its last committed save, still in host memory: ``tensors`` maps each
+    name it wrote to the region of the global tensor and a 1-D view of its elements. Valid until
+    the next save after it commits (then that one is kept); read-only for the caller."""
+
+    step: int
+    tensors: dict[str, tuple[Region, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,8 @@ class SaveHandle:
         self.step = step
         self._snapshot = threading.Event()
         self._future: concurrent.futures.Future[CommitInfo] = concurrent.futures.Future()
+        self._keep: CommittedSnapshot | None = None  # becomes the kept snapshot once committed
+        self._keep_arena: torch.Tensor | None = None
 
     def wait_snapshot(self, timeout: float | None = None) -> bool:
         """Block until the saved tensors have been copied; afterwards they may change.
@@ -170,6 +185,9 @@ class Checkpointer:
         self._on_commit = on_commit
         self._pool = concurrent.futures.ThreadPoolExecutor(self.config.encode_threads, "ckpt-encode")
         self._arena: torch.Tensor | None = None
+        self._other_arena: torch.Tensor | None = None  # keep_committed: the buffer not written next
+        self._kept: CommittedSnapshot | None = None
+        self._kept_arena: torch.Tensor | None = None
         self._inflight: SaveHandle | None = None
         self._closed = False
         os.makedirs(self.root, exist_ok=True)
@@ -207,6 +225,9 @@ class Checkpointer:
         snapshot_s = time.perf_counter() - started
         log.debug("step %d rank %d: snapshot started in %.3fs", step, self.rank, snapshot_s)
         self._inflight = handle
+        if self.config.keep_committed:
+            handle._keep = CommittedSnapshot(step, {e.name: (e.region, v) for e, v in zip(entries, views, strict=True)})
+            handle._keep_arena = self._arena
         worker = threading.Thread(
             target=self._persist,
             args=(handle, entries, views, meta, copy_event, started, snapshot_s),
@@ -214,6 +235,10 @@ class Checkpointer:
         )
         worker.start()
         return handle
+
+    def committed_snapshot(self) -> CommittedSnapshot | None:
+        """The host copy of this rank's part of the last committed save (``keep_committed``)."""
+        return self._kept
 
     def wait(self, timeout: float | None = None) -> CommitInfo | None:
         """Wait for the save in flight (if any) and return its result; raises what it raised."""
@@ -258,6 +283,8 @@ class Checkpointer:
             offsets.append(total)
             total += (e.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         pin = torch.cuda.is_available()
+        if self._kept is not None and self._arena is self._kept_arena:
+            self._arena, self._other_arena = self._other_arena, self._arena  # leave the kept one alone
         if self._arena is None or self._arena.numel() < total or self._arena.is_pinned() != pin:
             self._arena = None
             self._arena = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
@@ -330,6 +357,9 @@ class Checkpointer:
                 failure.__cause__ = exc
                 handle._future.set_exception(failure)
                 return
+        if handle._keep is not None:
+            self._kept, self._kept_arena = handle._keep, handle._keep_arena
+        handle._keep = handle._keep_arena = None
         if self.rank == 0:
             self._after_commit(info)
         handle._future.set_result(info)

@@ -66,10 +66,12 @@ from stalwart.ckpt import (
     CheckpointError,
     CheckpointNotFound,
     CommitInfo,
+    CommittedSnapshot,
     LayoutMismatch,
     RetentionPolicy,
     SaveConfig,
     SaveHandle,
+    Shard,
     TorchDistCoordinator,
     list_checkpoints,
     load,
@@ -268,6 +270,8 @@ class ReformTimings:
     restored_at: float = 0.0
     first_step_at: float | None = None
     restored_step: int = 0
+    host_bytes: int = 0  # state restored from this process's host copy of the last committed save
+    disk_bytes: int = 0  # read from the checkpoint files (what no host copy here held)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -304,6 +308,7 @@ class Trainer:
         self._reform_spec: ReformSpec | None = None
         self._reform_event = threading.Event()
         self._first_step_pending: ReformTimings | None = None
+        self._restore_bytes = (0, 0)
         self._attach(engine)
         restored = self._restore(required=_required)
         assert restored is not None
@@ -340,7 +345,8 @@ class Trainer:
         base = self._save_config or SaveConfig(commit_timeout_s=config.commit_timeout_s)
         retention = RetentionPolicy(keep_last=config.keep_last)
         self.checkpointer = Checkpointer(
-            config.checkpoint_dir, SaveConfig(**{**base.__dict__, "retention": retention}),
+            # keep_committed: the last committed snapshot stays in host memory, a re-form's first source.
+            config.checkpoint_dir, SaveConfig(**{**base.__dict__, "retention": retention, "keep_committed": True}),
             coordinator=self._coord, on_commit=self._on_commit,
         )  # fmt: skip
 
@@ -524,6 +530,7 @@ class Trainer:
         log.warning("rank %d round %d step %d: re-forming as rank %d of %d (round %d, master %s:%d, cause %s)",
                     self.rank, self.round, self.step, spec.rank, spec.world_size, spec.round, spec.master_addr,
                     spec.master_port, cause)
+        host = self.checkpointer.committed_snapshot()
         self._leave()
         try:
             join_world(spec, backend=backend_for_device(), collective_timeout_s=self.config.collective_timeout_s,
@@ -533,7 +540,7 @@ class Trainer:
             timing.engine_built_at = time.time()
             self._attach(engine)
             self.round = spec.round
-            restored = self._restore(max_step=spec.restore_step, required=True)
+            restored = self._restore(max_step=spec.restore_step, required=True, host=host)
             assert restored is not None
             self._resume(restored)
         except ReformFailed:
@@ -546,6 +553,7 @@ class Trainer:
                                f"{type(exc).__name__}: {exc}", round=spec.round) from exc
         timing.restored_at = time.time()
         timing.restored_step = self.step
+        timing.host_bytes, timing.disk_bytes = self._restore_bytes
         self.reforms.append(timing)
         self._first_step_pending = timing
         log.warning("rank %d round %d: re-formed at step %d in %.3fs (group %.3fs, engine %.3fs, restore %.3fs)",
@@ -835,20 +843,27 @@ class Trainer:
             "health": {"history": self.health.to_json(), "rollbacks": self.ledger.to_json()},
         }  # fmt: skip
 
-    def _restore(self, max_step: int | None = None, *, rollback: bool = False,
-                 required: bool = False) -> RestoreInfo | None:
+    def _restore(self, max_step: int | None = None, *, rollback: bool = False, required: bool = False,
+                 host: CommittedSnapshot | None = None) -> RestoreInfo | None:
         """Load the newest good checkpoint (at or below ``max_step``) into the engine.
 
         At start no checkpoint means a fresh start at step 0; for a ``rollback`` it means
         ``None``; where one is ``required`` (a re-form or a spare: the model's weights are no
         longer the initial ones) it raises :class:`ReformFailed`. Rollbacks recorded in the
         journal are merged with the checkpoint's.
+
+        ``host``: this process's host copy of its part of the last committed save (a re-form).
+        Where it is the newest committed step, the parts of this rank's new partition it holds
+        are copied from it and only the rest is read from disk. Should the loader fall back to
+        an older step (the newest one is corrupt somewhere), every rank loads that step again
+        from disk alone, so no rank mixes two steps.
         """
         root = self.config.checkpoint_dir
         if self.rank == 0:
             steps = [c.step for c in list_checkpoints(root)
                      if c.committed and (max_step is None or c.step <= max_step)]  # fmt: skip
-            found = {"any": bool(steps), "journal": read_journal(root) if steps and not rollback else []}
+            found = {"any": bool(steps), "journal": read_journal(root) if steps and not rollback else [],
+                     "newest": max(steps) if steps else None}
             self._coord.broadcast(json.dumps(found).encode(), self.config.commit_timeout_s)
         else:
             found = json.loads(self._coord.broadcast(None, self.config.commit_timeout_s))
@@ -863,9 +878,17 @@ class Trainer:
             return RestoreInfo(0, DataPosition(), 0)
         self.state.ensure_optimizer_state()
         targets, staged = self.state.load_targets()
+        host_bytes = 0
+        if host is not None and host.step == found["newest"] and not staged:
+            targets, host_bytes = _fill_from_host(targets, host)
         try:
             result = load(root, targets, max_step=max_step, coordinator=self._coord,
                           timeout_s=self.config.commit_timeout_s)
+            if result.step != found["newest"]:  # the same on every rank: see the docstring
+                targets, staged = self.state.load_targets()
+                result = load(root, targets, step=result.step, coordinator=self._coord,
+                              timeout_s=self.config.commit_timeout_s)
+                host_bytes = 0
         except LayoutMismatch as exc:
             raise self._incompatible(None) or IncompatibleCheckpoint(str(exc)) from exc
         except CheckpointNotFound:
@@ -877,6 +900,7 @@ class Trainer:
         mismatch = self._incompatible(result.step)
         if mismatch is not None:
             raise mismatch
+        self._restore_bytes = (host_bytes, result.bytes_read)
         for step, reason in result.skipped:
             log.warning("rank %d: skipped checkpoint step %d: %s", self.rank, step, reason)
         if result.skipped:
@@ -899,8 +923,9 @@ class Trainer:
         self.health = HealthMonitor(self.config.health, health.get("history", []))
         self.ledger.merge(RollbackLedger.from_json(health.get("rollbacks", [])).rollbacks)
         self.ledger.merge(RollbackLedger.from_json(found["journal"]).rollbacks)
-        log.info("rank %d: restored step %d (saved by %d ranks, now %d)%s", self.rank, result.step, saved_world,
-                 self.world_size, " to roll back" if rollback else "")
+        log.info("rank %d round %d: restored step %d (saved by %d ranks, now %d)%s; %d bytes from host memory, "
+                 "%d read from disk", self.rank, self.round, result.step, saved_world, self.world_size,
+                 " to roll back" if rollback else "", host_bytes, result.bytes_read)
         if not rollback:
             self.recorder.write("restore", step=result.step, world_size=self.world_size,
                                 saved_world_size=saved_world, skipped=[s for s, _ in result.skipped],
@@ -946,6 +971,49 @@ class Trainer:
                                               tensor=extra[0], step=s)
             return None
         return None
+
+
+def _fill_from_host(targets: dict[str, torch.Tensor | Shard],
+                    host: CommittedSnapshot) -> tuple[dict[str, torch.Tensor | Shard], int]:
+    """Copy into ``targets`` what ``host`` (this rank's part of the same committed save) holds.
+
+    Returns the targets still to read from disk (a flat range covered at one end shrinks to the
+    rest; one covered on neither end stays whole: the loader takes one region per name) and the
+    bytes copied. Bitwise what the loader would have read: the host copy is what was written.
+    """
+    rest: dict[str, torch.Tensor | Shard] = {}
+    copied = 0
+    for name, target in targets.items():
+        held = host.tensors.get(name)
+        if held is None:
+            rest[name] = target
+            continue
+        region, data = held
+        if isinstance(target, Shard):
+            t, tr = target.tensor, target.region
+            if (tr.flat is None or region.flat is None or tr.shape != region.shape or data.dtype != t.dtype
+                    or not t.is_contiguous() or t.device.type != "cpu"):
+                rest[name] = target
+                continue
+            (a, b), (c, d) = tr.flat, region.flat
+            i, j = max(a, c), min(b, d)
+            if i >= j or (i > a and j < b):
+                rest[name] = target
+                continue
+            flat = t.view(-1)
+            flat[i - a : j - a].copy_(data[i - c : j - c])
+            copied += (j - i) * t.element_size()
+            if i > a:
+                rest[name] = Shard.flat(flat[: i - a], tr.shape, a)
+            elif j < b:
+                rest[name] = Shard.flat(flat[j - a :], tr.shape, j)
+        elif (region.box is not None and tuple(region.shape) == tuple(target.shape) and region.numel == target.numel()
+              and data.dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu"):
+            target.view(-1).copy_(data)  # a replicated tensor this rank wrote whole
+            copied += target.numel() * target.element_size()
+        else:
+            rest[name] = target
+    return rest, copied
 
 
 def _warm_up(recipe: _EngineRecipe, config: TrainerConfig, backend: str) -> None:

@@ -153,7 +153,8 @@ def print_timings(what: str, kill_time: float, results: dict[str, dict[str, Any]
                   f"re-form began +{t['started_at'] - kill_time:.3f}s, group up +{t['group_up_at'] - kill_time:.3f}s, "
                   f"engine rebuilt +{t['engine_built_at'] - kill_time:.3f}s, "
                   f"state restored +{t['restored_at'] - kill_time:.3f}s, "
-                  f"first step +{t['first_step_at'] - kill_time:.3f}s")
+                  f"first step +{t['first_step_at'] - kill_time:.3f}s; "
+                  f"state from host memory {t['host_bytes']} B, from disk {t['disk_bytes']} B")
 
 
 def test_survivors_reform_from_3_to_2_in_place_and_match_a_restart_bitwise(
@@ -173,6 +174,7 @@ def test_survivors_reform_from_3_to_2_in_place_and_match_a_restart_bitwise(
         assert "error" not in res, (name, res["error"], job.logs())
         assert res["step"] == STEPS and len(res["reforms"]) == 1
         assert res["reforms"][0]["restored_step"] == RESTORED
+        assert res["reforms"][0]["host_bytes"] > 0  # its own part of step 6 came from host memory
     print_timings("3->2 kill", killed["time"], results)
     ref = restart_reference(jobs, job, ds_env, tmp_path)
     assert_same_as_restart(job, "w0", ref)
@@ -188,9 +190,10 @@ def test_a_warm_spare_takes_the_dead_rank_2_to_2_and_matches_a_restart_bitwise(
         job.start(f"w{r}", rank=r, world=2, port=port, extra=("--kill-at-step", str(KILL_AT)) if r == 1 else ())
     killed = job.wait_marker("w1", "killed")
     job.procs["w1"].wait(timeout=30)
-    new_port = free_port()
-    job.reform("w0", rank=0, world=2, port=new_port, round=1)
-    job.reform("spare", rank=1, world=2, port=new_port, round=1)
+    # The same master port again: w0, rank 0 before and after, reuses the store it hosts there
+    # (the round's key prefix keeps round 0's keys apart).
+    job.reform("w0", rank=0, world=2, port=port, round=1)
+    job.reform("spare", rank=1, world=2, port=port, round=1)
     results = job.wait(["w0", "spare"])
     for name, res in results.items():
         assert "error" not in res, (name, res["error"], job.logs())
@@ -245,3 +248,27 @@ def test_a_rank_that_cannot_reform_raises_reform_failed(ds_env: dict[str, str], 
     assert "no Reform arrived within 2s" in results["w0"]["error"]["message"]
     assert results["w1"]["error"]["type"] == "ReformFailed"
     assert "cannot re-form into round 1" in results["w1"]["error"]["message"]
+
+
+def test_the_committed_snapshot_survives_the_next_save_until_that_one_commits(tmp_path: Path) -> None:
+    """The host copy a re-form restores from is the last *committed* save, never a newer one
+    being written (two host buffers alternate)."""
+    from stalwart.ckpt import Checkpointer, SaveConfig, Shard, SingleCoordinator
+
+    ck = Checkpointer(str(tmp_path), SaveConfig(keep_committed=True, retention=None), coordinator=SingleCoordinator())
+    x = torch.arange(10, dtype=torch.float32)
+    assert ck.committed_snapshot() is None
+    ck.save(1, {"x": Shard.flat(x[2:6], (10,), 2)})
+    ck.wait()
+    snap = ck.committed_snapshot()
+    assert snap is not None and snap.step == 1
+    region, data = snap.tensors["x"]
+    assert region.flat == (2, 6) and torch.equal(data, x[2:6])
+    ck.save(2, {"x": Shard.flat(x[2:6] + 100, (10,), 2)})  # written into the other buffer
+    assert torch.equal(snap.tensors["x"][1], x[2:6])
+    ck.wait()
+    assert ck.committed_snapshot().step == 2 and torch.equal(ck.committed_snapshot().tensors["x"][1], x[2:6] + 100)
+    ck.save(3, {"x": Shard.flat(x[2:6] + 200, (10,), 2)})  # reuses step 1's buffer, not step 2's
+    ck.wait()
+    assert torch.equal(ck.committed_snapshot().tensors["x"][1], x[2:6] + 200)
+    ck.close()
