@@ -258,17 +258,17 @@ def test_the_committed_snapshot_survives_the_next_save_until_that_one_commits(tm
     ck = Checkpointer(str(tmp_path), SaveConfig(keep_committed=True, retention=None), coordinator=SingleCoordinator())
     x = torch.arange(10, dtype=torch.float32)
     assert ck.committed_snapshot() is None
-    ck.save(1, {"x": Shard.flat(x[2:6], (10,), 2)})
+    ck.save(1, {"x": Shard.flat(x[:6], (6,), 0)})
     ck.wait()
     snap = ck.committed_snapshot()
     assert snap is not None and snap.step == 1
     region, data = snap.tensors["x"]
-    assert region.flat == (2, 6) and torch.equal(data, x[2:6])
-    ck.save(2, {"x": Shard.flat(x[2:6] + 100, (10,), 2)})  # written into the other buffer
-    assert torch.equal(snap.tensors["x"][1], x[2:6])
+    assert region.flat == (0, 6) and torch.equal(data, x[:6])
+    ck.save(2, {"x": Shard.flat(x[:6] + 100, (6,), 0)})  # written into the other buffer
+    assert torch.equal(snap.tensors["x"][1], x[:6])
     ck.wait()
-    assert ck.committed_snapshot().step == 2 and torch.equal(ck.committed_snapshot().tensors["x"][1], x[2:6] + 100)
-    ck.save(3, {"x": Shard.flat(x[2:6] + 200, (10,), 2)})  # reuses step 1's buffer, not step 2's
+    assert ck.committed_snapshot().step == 2 and torch.equal(ck.committed_snapshot().tensors["x"][1], x[:6] + 100)
+    ck.save(3, {"x": Shard.flat(x[:6] + 200, (6,), 0)})  # reuses step 1's buffer, not step 2's
     ck.wait()
-    assert torch.equal(ck.committed_snapshot().tensors["x"][1], x[2:6] + 200)
+    assert torch.equal(ck.committed_snapshot().tensors["x"][1], x[:6] + 200)
     ck.close()
