@@ -52,6 +52,7 @@ def test_install_wraps_torch_distributed_and_uninstall_restores() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
+    collective_timer.uninstall()  # an in-process AgentClient of an earlier test may have installed it
     original = dist.all_reduce
     timer = collective_timer.install()
     try:
