@@ -150,7 +150,8 @@ def print_timings(what: str, kill_time: float, results: dict[str, dict[str, Any]
             seen = t["error_seen_at"]
             print(f"[{what}] {name} round {t['round']} rank {t['rank']}/{t['world_size']}: "
                   f"error seen +{(seen - kill_time) if seen else float('nan'):.3f}s, "
-                  f"re-form began +{t['started_at'] - kill_time:.3f}s, group up +{t['group_up_at'] - kill_time:.3f}s, "
+                  f"re-form began +{t['started_at'] - kill_time:.3f}s, old world left +{t['left_at'] - kill_time:.3f}s, "
+                  f"group up +{t['group_up_at'] - kill_time:.3f}s, "
                   f"engine rebuilt +{t['engine_built_at'] - kill_time:.3f}s, "
                   f"state restored +{t['restored_at'] - kill_time:.3f}s, "
                   f"first step +{t['first_step_at'] - kill_time:.3f}s; "
