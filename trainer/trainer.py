@@ -396,7 +396,8 @@ class Trainer:
                 raise ReformFailed("a spare (STALWART_SPARE=1) needs an assignment: the agent client's "
                                    "wait_for_assignment or Trainer.initialize(assignment=...)")
             started = time.perf_counter()
-            _warm_up(recipe, config, backend)
+            if int((ds_config.get("zero_optimization") or {}).get("stage", 0)) != 3:
+                _warm_up(recipe, config, backend)  # ZeRO-3 would partition the model for a world of one
             log.info("spare pid %d: model built, engine warmed up in %.2fs, waiting for an assignment",
                      os.getpid(), time.perf_counter() - started)
             spec = source()
