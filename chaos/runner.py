@@ -93,7 +93,7 @@ class _Run:
         self._offset = 0
         self.rounds: list[RoundChange] = []
         self.faults: list[_Active] = []
-        self.corrupted: set[int] = set()
+        self.corrupted: dict[int, float] = {}  # checkpoint step -> when its byte was flipped
         self.notes: list[str] = []
         self.straggler_seen: set[str] = set()
 
@@ -289,7 +289,7 @@ class _Run:
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x40]))
         step = int(newest.name.split("-")[-1])
-        self.corrupted.add(step)
+        self.corrupted[step] = self.now()
         return step
 
     def _follow_faults(self) -> None:
@@ -421,17 +421,28 @@ class _Run:
 
     def _losses_of_restores(self) -> tuple[int, int]:
         """Committed steps lost by restores (beyond the checkpoints corrupted on purpose), and
-        restores that loaded a corrupted checkpoint."""
+        restores that loaded a corrupted checkpoint.
+
+        Corruption is a point in time: a restore before it, or of the same step committed again
+        after it (the loader set the bad one aside and training saved that step anew), is fine.
+        """
         lost = corrupt = 0
         commits: set[int] = set()
+        bad: set[int] = set()
+        flips = sorted((t, step) for step, t in self.corrupted.items())
         for e in self.events:
+            at = float(e["t"]) - self.t0  # type: ignore[arg-type]
+            while flips and flips[0][0] <= at:
+                bad.add(flips.pop(0)[1])
             if e.get("event") == "commit":
-                commits.add(int(e["step"]))  # type: ignore[call-overload]
-            elif e.get("event") in ("restore", "rollback"):
                 step = int(e["step"])  # type: ignore[call-overload]
-                if step in self.corrupted:
+                commits.add(step)
+                bad.discard(step)
+            elif e.get("event") in ("restore", "rollback", "reform"):
+                step = int(e["step"])  # type: ignore[call-overload]
+                if step in bad:
                     corrupt += 1
-                good = [c for c in commits if c not in self.corrupted]
+                good = [c for c in commits if c not in bad]
                 if good and max(good) > step:
                     lost += max(good) - step
         return lost, corrupt

@@ -65,6 +65,8 @@ class ClusterSpec:
     node_quantum: int = 1
     checkpoint_fs_mb: int = 64  # size of the checkpoint tmpfs, when a fill-disk fault needs one
     exclude_stragglers: bool = False  # the daemons take a straggler out at the next checkpoint
+    reform_in_place: bool = True  # survivors of a round change re-form in place (false: restart all)
+    spares: int = 0  # warm spare workers per node
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,8 @@ def _validate(s: Scenario) -> None:
         (c.workers_per_node >= 1, "cluster.workers_per_node", "must be >= 1"),
         (1 <= c.min_nodes <= c.nodes, "cluster.min_nodes", f"must be within 1..{c.nodes}"),
         (c.checkpoint_fs_mb >= 8, "cluster.checkpoint_fs_mb", "must be >= 8"),
+        (0 <= c.spares <= 8, "cluster.spares", "must be within 0..8"),
+        (c.spares == 0 or c.reform_in_place, "cluster.spares", "spares need reform_in_place = true"),
         (j.steps >= 1, "job.steps", "must be >= 1"),
         (j.checkpoint_every >= 1, "job.checkpoint_every", "must be >= 1"),
         (j.zero_stage in (0, 1, 2, 3), "job.zero_stage", "must be 0, 1, 2 or 3"),

@@ -54,7 +54,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -897,9 +897,11 @@ class Trainer:
             result = load(root, targets, max_step=max_step, coordinator=self._coord,
                           timeout_s=self.config.commit_timeout_s)
             if result.step != found["newest"]:  # the same on every rank: see the docstring
+                skipped = result.skipped  # the newer steps refused: they are set aside below
                 targets, staged = self.state.load_targets()
                 result = load(root, targets, step=result.step, coordinator=self._coord,
                               timeout_s=self.config.commit_timeout_s)
+                result = replace(result, skipped=[*skipped, *result.skipped])
                 host_bytes = 0
         except LayoutMismatch as exc:
             raise self._incompatible(None) or IncompatibleCheckpoint(str(exc)) from exc

@@ -67,6 +67,7 @@ def faults(saved: dict[str, Any], torchrun_jobs: Torchrun, out: Path) -> dict[st
 def test_bad_newest_checkpoint_is_skipped_for_the_older_one(faults: dict[str, Any], case: str) -> None:
     r = faults[case]
     assert r["skipped"] == [4]
+    assert r["set_aside"]
     assert r["step"] == 2
     assert r["mismatch"] == []  # equal to what was gathered at step 2
     assert r["position"] == {"epoch": 0, "consumed": 48}
