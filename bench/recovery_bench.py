@@ -144,33 +144,92 @@ JOB = {"checkpoint_every": 5, "zero_stage": 1, "global_batch": 12, "micro_batch"
 class FaultTrial:
     system: str
     kind: str
-    detected_s: float | None  # fault -> the system acted on it
+    detected_s: float | None  # fault -> the system acted on it (stalwart: the new round decided)
     resumed_s: float | None  # fault -> first step of the restored world
     detail: str
+    case: str = ""  # the cluster shape, e.g. "3 nodes" or "2 nodes + spare"
+    phases: dict[str, float] = field(default_factory=dict)  # stalwart in place: seconds from the fault
 
 
-def stalwart_trial(kind: str, workdir: Path, index: int, timeout: float) -> FaultTrial:
+@dataclass(frozen=True)
+class Case:
+    """One row of the table: a fault on a cluster shape, for stalwart (in place or restarting)."""
+
+    kind: str
+    nodes: int = 3
+    spares: int = 0
+    reform_in_place: bool = True
+
+    @property
+    def label(self) -> str:
+        spare = f" + {self.spares} spare" if self.spares else ""
+        mode = "" if self.reform_in_place else ", restart"
+        return f"{self.nodes} nodes{spare}{mode}"
+
+
+def _phases(steps_log: Path, fault_at: float, decided_at: float | None) -> dict[str, float]:
+    """Where the time went, from the step record of rank 0 (its re-form timings) and the round."""
+    out: dict[str, float] = {}
+    if decided_at is not None:
+        out["decided"] = decided_at - fault_at
+    events = [e for e in rows(steps_log) if e.get("t", 0) > fault_at]
+    reform = next((e for e in events if e.get("event") == "reform"), None)
+    if reform is not None:
+        t = reform.get("timings", {})
+        for name, key in (("error_seen", "error_seen_at"), ("reform_begun", "started_at"), ("left_old", "left_at"),
+                          ("group_up", "group_up_at"), ("engine_built", "engine_built_at"),
+                          ("restored", "restored_at")):
+            if t.get(key):
+                out[name] = t[key] - fault_at
+        start = reform["t"]
+    else:
+        restore = next((e for e in events if e.get("event") == "restore"), None)
+        if restore is None:
+            return out
+        out["restored"] = restore["t"] - fault_at
+        start = restore["t"]
+    first = next((e["t"] for e in events if e.get("event") == "step" and e["t"] > start), None)
+    if first is not None:
+        out["first_step"] = first - fault_at
+    return out
+
+
+def stalwart_trial(case: Case, workdir: Path, index: int, timeout: float) -> FaultTrial:
     from stalwart.chaos.netns import unavailable_reason
     from stalwart.chaos.runner import Runner
     from stalwart.chaos.scenario import from_mapping
 
+    kind = case.kind
     if kind == "network-cut" and unavailable_reason():
-        return FaultTrial("stalwart", kind, None, None, str(unavailable_reason()))
+        return FaultTrial("stalwart", kind, None, None, str(unavailable_reason()), case.label)
     chaos_kind = "kill-agent" if kind == "kill-node" else kind
+    victim = f"node{case.nodes - 1}"
     scenario = from_mapping({
         "name": f"bench-{kind}", "seed": index,
-        "cluster": {"etcd_members": 1, "daemons": 1, "nodes": 3, "workers_per_node": 1, "lease_ttl": 2},
+        "cluster": {"etcd_members": 1, "daemons": 1, "nodes": case.nodes, "workers_per_node": 1, "lease_ttl": 2,
+                    "spares": case.spares, "reform_in_place": case.reform_in_place},
         "job": {**JOB, "steps": FAULT_AT_STEP + 50},
-        "fault": [{"kind": chaos_kind, "at_step": FAULT_AT_STEP, "node": "node2", "duration": 4.0}],
+        "fault": [{"kind": chaos_kind, "at_step": FAULT_AT_STEP, "node": victim, "duration": 4.0}],
     })
-    report = Runner(scenario, workdir / f"stalwart-{kind}-{index}", progress=lambda line: None, timeout=timeout + 150,
-                    reference=False).run()
+    work = workdir / f"stalwart-{kind}-{case.nodes}-{case.spares}-{int(case.reform_in_place)}-{index}"
+    runner = Runner(scenario, work, progress=lambda line: None, timeout=timeout + 150, reference=False)
+    report = runner.run()
     if not report.faults:
-        return FaultTrial("stalwart", kind, None, None, "; ".join(report.notes) or "not injected")
+        return FaultTrial("stalwart", kind, None, None, "; ".join(report.notes) or "not injected", case.label)
     f = report.faults[0]
     failed = [name for name, ok in report.checks.items() if not ok]
+    first_new = next((r for r in report.rounds if r.t > f.injected_at), None)
+    t0 = json_first_t(work / "run" / "steps.jsonl", report)
+    phases = _phases(work / "run" / "steps.jsonl", t0 + f.injected_at,
+                     None if first_new is None or first_new.decided_at is None else t0 + first_new.decided_at)
     return FaultTrial("stalwart", kind, f.detection_s, f.recovery_s,
-                      "resumed" if not failed else f"checks failed: {failed}")
+                      "resumed" if not failed else f"checks failed: {failed}", case.label, phases)
+
+
+def json_first_t(steps_log: Path, report: object) -> float:
+    """The run's start on the record's clock: the first step's time minus its offset in the report."""
+    first = next(e for e in rows(steps_log) if e.get("event") == "step")
+    return float(first["t"]) - report.samples[0].t  # type: ignore[attr-defined]
 
 
 def _workers(torchrun: subprocess.Popen[bytes]) -> set[int]:
@@ -182,39 +241,43 @@ def _workers(torchrun: subprocess.Popen[bytes]) -> set[int]:
         return set()
 
 
-def torchrun_trial(kind: str, workdir: Path, index: int, timeout: float) -> FaultTrial:
+def torchrun_trial(case: Case, workdir: Path, index: int, timeout: float) -> FaultTrial:
+    kind, label = case.kind, f"{case.nodes} nodes"
     if kind == "network-cut":
-        return FaultTrial("c10d", kind, None, None, "not measured: torchrun's simulated nodes share loopback here")
-    log = workdir / f"c10d-{kind}-{index}.jsonl"
-    job = f"bench-c10d-{kind}-{index}-{os.getpid()}"
+        return FaultTrial("c10d", kind, None, None, "not measured: torchrun's simulated nodes share loopback here",
+                          label)
+    log = workdir / f"c10d-{kind}-{case.nodes}-{index}.jsonl"
+    job = f"bench-c10d-{kind}-{case.nodes}-{index}-{os.getpid()}"
     endpoint = f"127.0.0.1:{free_port()}"
     built = REPO / ".venv" / "torch_extensions"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(built)))
     nodes: list[subprocess.Popen[bytes]] = []
     try:
-        for i in range(3):
-            args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
+        for i in range(case.nodes):
+            args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{case.nodes - 1}:{case.nodes}",
+                    "--nproc-per-node", "1",
                     "--max-restarts", "20", "--monitor-interval", "0.2", "--local-addr", "127.0.0.1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--rdzv-conf", TIMING,
-                    str(GPT), "--ckpt-dir", str(workdir / f"c10d-{kind}-{index}-ckpt"), "--steps", "100000",
+                    str(GPT), "--ckpt-dir", str(workdir / f"c10d-{kind}-{case.nodes}-{index}-ckpt"),
+                    "--steps", "100000",
                     "--global-batch", str(JOB["global_batch"]), "--micro-batch", str(JOB["micro_batch"]),
                     "--dataset-len", str(JOB["samples"]), "--zero-stage", str(JOB["zero_stage"]),
                     "--save-every", str(JOB["checkpoint_every"]), "--steps-log", str(log),
                     "--step-sleep", str(JOB["step_time"]), "--dropout", "0"]
-            with open(workdir / f"c10d-{kind}-{index}-node{i}.out", "ab") as out:
+            with open(workdir / f"c10d-{kind}-{case.nodes}-{index}-node{i}.out", "ab") as out:
                 nodes.append(subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
                                               start_new_session=True))
             if i == 0:
                 time.sleep(1.0)  # node0 hosts c10d's store; the victim is node2
         deadline = time.monotonic() + 180
-        while not any(r.get("event") == "step" and r.get("world_size") == 3 and r["step"] >= FAULT_AT_STEP
+        while not any(r.get("event") == "step" and r.get("world_size") == case.nodes and r["step"] >= FAULT_AT_STEP
                       for r in rows(log)):
             if time.monotonic() > deadline:
-                return FaultTrial("c10d", kind, None, None, "never trained at world size 3")
+                return FaultTrial("c10d", kind, None, None, f"never trained at world size {case.nodes}", label)
             time.sleep(0.1)
-        victim = nodes[2]
-        survivors = nodes[:2] if kind == "kill-node" else nodes
+        victim = nodes[-1]
+        survivors = nodes[:-1] if kind == "kill-node" else nodes
         before = [_workers(n) for n in survivors]
         worker = min(_workers(victim))
         fault_at = time.time()
@@ -235,13 +298,23 @@ def torchrun_trial(kind: str, workdir: Path, index: int, timeout: float) -> Faul
             if restores:
                 steps = [r["t"] for r in events if r.get("event") == "step" and r["t"] > min(restores)]
                 if steps:
-                    return FaultTrial("c10d", kind, detected, min(steps) - fault_at, "resumed")
+                    return FaultTrial("c10d", kind, detected, min(steps) - fault_at, "resumed", label)
             time.sleep(0.05)
-        return FaultTrial("c10d", kind, detected, None, f"no resumed step within {timeout:g} s")
+        return FaultTrial("c10d", kind, detected, None, f"no resumed step within {timeout:g} s", label)
     finally:
         for p in nodes:
             kill_tree(p.pid)
             p.wait()
+
+
+CASES = {
+    "kill-worker": [Case("kill-worker", nodes=2, spares=1), Case("kill-worker", nodes=3),
+                    Case("kill-worker", nodes=3, reform_in_place=False)],
+    "kill-node": [Case("kill-node", nodes=3)],
+    "hang-worker": [Case("hang-worker", nodes=3)],
+    "network-cut": [Case("network-cut", nodes=3)],
+}
+PHASES = ("decided", "error_seen", "reform_begun", "group_up", "engine_built", "restored", "first_step")
 
 
 def faults_suite(args: argparse.Namespace) -> int:
@@ -250,47 +323,56 @@ def faults_suite(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown fault kind {unknown[0]!r} (known: {list(FAULT_KINDS)})", file=sys.stderr)
         return 2
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else "-"  # noqa: E731
     trials: list[FaultTrial] = []
     with tempfile.TemporaryDirectory(prefix="stalwart-faults-") as tmp:
         workdir = Path(tmp)
         for kind in kinds:
-            for system in ("stalwart", "c10d"):
-                for i in range(args.trials):
+            runs: list[tuple[str, Case]] = [("stalwart", c) for c in CASES[kind]]
+            runs += [("c10d", c) for c in {(c.nodes): c for c in CASES[kind] if c.reform_in_place}.values()]
+            for system, case in runs:
+                n = args.trials if system == "stalwart" else args.c10d_trials
+                for i in range(n):
                     fn = stalwart_trial if system == "stalwart" else torchrun_trial
-                    t = fn(kind, workdir, i, args.timeout)
+                    t = fn(case, workdir, i, args.timeout)
                     trials.append(t)
-                    fmt = lambda v: f"{v:.2f} s" if v is not None else "-"  # noqa: E731
-                    print(f"[{kind} {system} {i + 1}/{args.trials}] detected {fmt(t.detected_s)}, "
-                          f"resumed {fmt(t.resumed_s)}: {t.detail}", flush=True)
+                    print(f"[{kind} {system} {t.case} {i + 1}/{n}] detected {fmt(t.detected_s)} s, "
+                          f"resumed {fmt(t.resumed_s)} s: {t.detail}", flush=True)
                     if t.detail.startswith("not measured") or "root" in t.detail:
                         break  # the same for every trial
 
-    def med(kind: str, system: str, attr: str) -> float | None:
-        values = [getattr(t, attr) for t in trials if t.kind == kind and t.system == system
-                  and getattr(t, attr) is not None]
-        return statistics.median(values) if values else None
+    def med(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
 
     summary = []
-    for kind in kinds:
-        row: dict[str, object] = {"kind": kind}
-        for system in ("stalwart", "c10d"):
-            mine = [t for t in trials if t.kind == kind and t.system == system]
-            row[f"{system}_trials"] = len(mine)
-            row[f"{system}_resumed"] = sum(t.resumed_s is not None for t in mine)
-            row[f"{system}_detect_median_s"] = med(kind, system, "detected_s")
-            row[f"{system}_resume_median_s"] = med(kind, system, "resumed_s")
-        s_res, c_res = row["stalwart_resume_median_s"], row["c10d_resume_median_s"]
-        row["ratio"] = (s_res / c_res if isinstance(s_res, float) and isinstance(c_res, float) else None)
+    for key in dict.fromkeys((t.kind, t.system, t.case) for t in trials):
+        mine = [t for t in trials if (t.kind, t.system, t.case) == key]
+        row: dict[str, object] = {
+            "kind": key[0], "system": key[1], "case": key[2], "trials": len(mine),
+            "resumed": sum(t.resumed_s is not None for t in mine),
+            "detect_median_s": med([t.detected_s for t in mine]),
+            "resume_median_s": med([t.resumed_s for t in mine]),
+            "resume_max_s": max((t.resumed_s for t in mine if t.resumed_s is not None), default=None),
+            "phases_median_s": {p: med([t.phases.get(p) for t in mine]) for p in PHASES
+                                if any(p in t.phases for t in mine)},
+        }
         summary.append(row)
-    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else "-"  # noqa: E731
+    for row in summary:  # stalwart's median beside torchrun's on the same fault and node count
+        nodes = str(row["case"]).split()[0]
+        ref = next((r for r in summary if r["system"] == "c10d" and r["kind"] == row["kind"]
+                    and str(r["case"]).split()[0] == nodes), None)
+        s_res, c_res = row["resume_median_s"], ref["resume_median_s"] if ref else None
+        row["ratio_to_c10d"] = s_res / c_res if isinstance(s_res, float) and isinstance(c_res, float) else None
     print()
-    print(f"{'fault':<12} {'stalwart detect':>15} {'resumed':>8} {'ok':>5}   {'c10d detect':>11} {'resumed':>8} "
-          f"{'ok':>5}   {'ratio':>5}")
+    print(f"{'fault':<12} {'system':<9} {'case':<24} {'ok':>5} {'detect':>7} {'resumed':>8} {'max':>6} {'ratio':>6}"
+          f"   phases (median s from the fault)")
     for r in summary:
-        print(f"{r['kind']:<12} {fmt(r['stalwart_detect_median_s']):>15} {fmt(r['stalwart_resume_median_s']):>8} "
-              f"{r['stalwart_resumed']}/{r['stalwart_trials']:<3}   {fmt(r['c10d_detect_median_s']):>11} "
-              f"{fmt(r['c10d_resume_median_s']):>8} {r['c10d_resumed']}/{r['c10d_trials']:<3}   {fmt(r['ratio']):>5}")
-    print("(medians in seconds from the fault; ratio = stalwart resumed / c10d resumed; target <= 0.33)")
+        phases = " ".join(f"{k}={fmt(v)}" for k, v in r["phases_median_s"].items())  # type: ignore[attr-defined]
+        print(f"{r['kind']:<12} {r['system']:<9} {r['case']:<24} {r['resumed']}/{r['trials']:<3} "
+              f"{fmt(r['detect_median_s']):>7} {fmt(r['resume_median_s']):>8} {fmt(r['resume_max_s']):>6} "
+              f"{fmt(r['ratio_to_c10d']):>6}   {phases}")
+    print("(medians in seconds from the fault; ratio = stalwart resumed / c10d resumed with the same node count)")
     out = Path(args.out or REPO / "bench" / "results" / "faults.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"summary": summary, "trials": [asdict(t) for t in trials], "job": JOB,
@@ -304,7 +386,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=("faults", "rendezvous"), default="faults")
     parser.add_argument("--kinds", default=",".join(FAULT_KINDS), help="faults suite: comma-separated kinds")
-    parser.add_argument("--trials", type=int, default=3, help="trials per mode (or per kind and system)")
+    parser.add_argument("--trials", type=int, default=3, help="trials per mode (faults suite: per stalwart case)")
+    parser.add_argument("--c10d-trials", type=int, default=3, help="faults suite: trials per torchrun case")
     parser.add_argument("--stalwart-trials", type=int, default=None, help="override --trials for stalwart")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
     parser.add_argument("--timeout", type=float, default=40.0, help="seconds to wait for recovery")

@@ -44,10 +44,11 @@ class FaultRecord:
 
 @dataclass(frozen=True)
 class RoundChange:
-    t: float
+    t: float  # when the runner saw it
     number: int
     world_size: int
     reason: str
+    decided_at: float | None = None  # when the daemon decided it (same clock as t)
 
 
 @dataclass

@@ -166,7 +166,8 @@ class _Run:
             return
         world = 0 if rnd.closed else len(rnd.members)
         if not self.rounds or (self.rounds[-1].number, self.rounds[-1].world_size) != (rnd.number, world):
-            self.rounds.append(RoundChange(self.now(), int(rnd.number), world, rnd.reason))
+            decided = rnd.decided_at - self.t0 if rnd.decided_at else None
+            self.rounds.append(RoundChange(self.now(), int(rnd.number), world, rnd.reason, decided))
             self.progress(f"  round {rnd.number}: {world} nodes ({rnd.reason})")
 
     def _status_line(self, step: int) -> str:
@@ -347,7 +348,8 @@ class _Run:
                 elif r.kind == "kill-etcd":
                     r.detected_at = r.injected_at  # nothing to detect: clients fail over
                 elif current is not None and current.number > a.round_before:
-                    r.detected_at = next(x.t for x in self.rounds if x.number > a.round_before)
+                    first = next(x for x in self.rounds if x.number > a.round_before)
+                    r.detected_at = first.decided_at if first.decided_at is not None else first.t
             if r.detected_at is not None and r.resumed_at is None:
                 if r.kind in ("kill-daemon", "kill-etcd"):  # the workers train on meanwhile
                     r.resumed_at = self._first_event_after("step", r.detected_at)

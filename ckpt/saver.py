@@ -190,6 +190,8 @@ class Checkpointer:
         self._kept_arena: torch.Tensor | None = None
         self._inflight: SaveHandle | None = None
         self._closed = False
+        self._commit_lock = threading.Lock()
+        self._abandoned = False
         os.makedirs(self.root, exist_ok=True)
 
     # --- public -----------------------------------------------------------------------------
@@ -473,6 +475,13 @@ class Checkpointer:
             commit_s=commit_s,
         )
 
+    def abandon(self) -> None:
+        """The world this checkpointer commits in is gone (a re-form): a save still in flight must
+        never commit. When this returns, its manifest is either durable already or never will be,
+        so a restore that lists checkpoints afterwards sees the final state."""
+        with self._commit_lock:
+            self._abandoned = True
+
     def _write_manifest(self, step: int, step_dir: str, payloads: list[bytes]) -> dict[str, Any]:
         """Rank 0: build and durably write the manifest if every rank succeeded."""
         try:
@@ -482,7 +491,10 @@ class Checkpointer:
                 return {"ok": False, "error": "; ".join(errors)}
             content = build_content(step, self.world_size, time.time(), records)
             data, digest = encode_manifest(content)
-            storage.atomic_write(step_dir, MANIFEST_NAME, data)
+            with self._commit_lock:
+                if self._abandoned:
+                    return {"ok": False, "error": "abandoned: the world that saved it changed before the commit"}
+                storage.atomic_write(step_dir, MANIFEST_NAME, data)
         except Exception as exc:
             log.error("step %d rank 0: cannot commit: %s", step, exc)
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -563,7 +563,8 @@ class Trainer:
                     self.rank, self.round, self.step, timing.restored_at - timing.started_at,
                     timing.group_up_at - timing.started_at, timing.engine_built_at - timing.group_up_at,
                     timing.restored_at - timing.engine_built_at)
-        self.recorder.write("reform", step=self.step, round=spec.round, world_size=self.world_size, cause=cause)
+        self.recorder.write("reform", step=self.step, round=spec.round, world_size=self.world_size, cause=cause,
+                            timings=timing.to_json())
         self._tell_agent(spec.local_rank)
         return timing
 
@@ -576,8 +577,11 @@ class Trainer:
         if handle is None or handle.done():
             self.checkpointer.close()
         else:
-            # Its commit waits on a lost or hung peer (until that group's timeout): let it fail
-            # on its own; it can no longer commit, so the loader never sees it.
+            # Its commit waits on a lost or hung peer (until that group's timeout): let it fail on
+            # its own. It may have gathered every rank's part before the peer died, so forbid the
+            # manifest now: after abandon() it is durable already or never will be, and the
+            # restore below lists checkpoints only after every survivor got here.
+            self.checkpointer.abandon()
             log.warning("rank %d step %d: abandoning the save of step %d in flight", self.rank, self.step,
                         handle.step)
         t0 = time.perf_counter()

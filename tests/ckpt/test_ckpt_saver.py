@@ -230,3 +230,19 @@ def test_a_full_disk_fails_the_commit_with_enospc_and_the_next_save_after_freein
     targets = rank_targets(SPECS, {}, 3, 0)
     assert load(root, targets).step == 3
     assert check_targets(SPECS, targets, 3) == []
+
+
+def test_an_abandoned_checkpointer_never_commits_its_save_in_flight(tmp_path):
+    root = str(tmp_path)
+    _save(root, 2, 1)
+    errors: list[BaseException | None] = []
+
+    def rank(r, coord):
+        with Checkpointer(root, SMALL, coordinator=coord) as ckpt:
+            if r == 0:
+                ckpt.abandon()  # as a re-form does while the save of step 2 is still in flight
+            errors.append(ckpt.save(2, rank_state(SPECS, {}, 2, 2, r)).exception(60))
+
+    run_ranks(2, rank)
+    assert all(isinstance(e, CommitFailed) and "abandoned" in str(e) for e in errors), errors
+    assert [c.step for c in list_checkpoints(root) if c.committed] == [1]
