@@ -641,7 +641,7 @@ class Trainer:
         flags = torch.tensor([
             local_loss if math.isfinite(local_loss) else 0.0, float(self._sigterm), float(time_due),
             float(not math.isfinite(local_loss)), grad_norm if grad_norm is not None else 0.0,
-            float(grad_norm is not None), float(skipped_now > 0),
+            float(grad_norm is not None), float(skipped_now > 0), float(self._reform_event.is_set()),
         ], dtype=torch.float64)  # fmt: skip
         dist.all_reduce(flags, group=self._control)
         loss_finite = flags[3].item() == 0
@@ -667,7 +667,18 @@ class Trainer:
             log.warning("rank %d round %d step %d: first step after the re-form, %.3fs after it began", self.rank,
                         self.round, self.step, timing.first_step_at - timing.started_at)
         self._report_saves()
-        if flags[1].item() > 0:
+        if flags[1].item() > 0 and flags[7].item() > 0:
+            # The agent is changing the world: the SIGTERM is for a rank that leaves it, not for the
+            # job. No final checkpoint (the survivors would not take part in it): the rank that
+            # got it exits, the others re-form at the next step boundary.
+            log.warning("rank %d step %d: a rank leaves for a new round: no final checkpoint", self.rank, self.step)
+            if self._sigterm:
+                self.stopped = True
+                self._closed = True
+                self.checkpointer.abandon()
+                if cfg.exit_on_sigterm:
+                    raise SystemExit(0)
+        elif flags[1].item() > 0:
             log.warning("rank %d step %d: SIGTERM: final checkpoint, then exit", self.rank, self.step)
             self.finish()
             self.stopped = True
@@ -1063,6 +1074,10 @@ def _warm_up(recipe: _EngineRecipe, config: TrainerConfig, backend: str) -> None
                 os.environ[k] = v
 
 
+def _done() -> None:
+    """What a released engine's ``destroy`` becomes: it was destroyed once already."""
+
+
 def _release_engine(engine: Any, rank: int) -> None:
     """Detach an engine from the model it wraps, so a new engine can wrap the same model.
 
@@ -1075,6 +1090,13 @@ def _release_engine(engine: Any, rank: int) -> None:
         engine.destroy()
     except Exception as exc:  # noqa: BLE001 - the old world may be broken
         log.warning("rank %d: destroying the old engine: %s", rank, exc)
+    # DeepSpeedEngine.__del__ calls destroy() again whenever the collector gets to the old engine,
+    # and ZeRO's destroy() sets ``_hp_mapping = None`` on every parameter: the same parameter
+    # objects the new engine has linked by then, whose saves would then hold no tensors at all.
+    engine.destroy = _done
+    zero = getattr(engine, "optimizer", None)
+    if zero is not None and hasattr(zero, "destroy"):
+        zero.destroy = _done
     for attr in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
         handle = getattr(engine, attr, None)
         if handle is not None:
@@ -1085,7 +1107,6 @@ def _release_engine(engine: Any, rank: int) -> None:
         p.grad = None
     # Free the old optimizer's state and fp32 partitions now, without waiting for a collection of
     # the engine's reference cycles (the module's own weights stay: the new engine copies them).
-    zero = getattr(engine, "optimizer", None)
     base = getattr(zero, "optimizer", None)
     if base is not None:
         base.state.clear()

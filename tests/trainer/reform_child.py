@@ -14,6 +14,7 @@ timings, or the error that stopped it).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -122,6 +123,8 @@ def main() -> None:
             marker = "killed" if s == args.kill_at_step else "stopped"
             (out / f"{args.name}.{marker}").write_text(json.dumps({"time": time.time(), "step": s}))
             os.kill(os.getpid(), signal.SIGKILL if marker == "killed" else signal.SIGSTOP)
+        if trainer.reforms:
+            gc.collect()  # the collector may reach the old engine any time; here it surely does
         return run_step(engine, batch, corpus, context)  # type: ignore[arg-type]
 
     try:

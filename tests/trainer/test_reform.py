@@ -26,6 +26,7 @@ import torch
 from testkit import kill_tree
 from trainer_testlib import REPO, tail
 
+from stalwart.ckpt import read_manifest
 from stalwart.ckpt.storage import step_dir_name
 
 CHILD = str(Path(__file__).with_name("reform_child.py"))
@@ -142,6 +143,11 @@ def assert_same_as_restart(job: Harness, dumper: str, ref: Harness) -> None:
     later = {s: v for s, v in expected.items() if s > RESTORED}
     assert sorted(later) == list(range(RESTORED + 1, STEPS + 1))
     assert {s: losses[s] for s in later} == later
+    # The checkpoints saved after the re-form hold the whole state, as a restart's do (a collected
+    # old engine once unlinked the parameters from the new one: those saves held no tensor).
+    mine, theirs = read_manifest(str(job.ckpt), STEPS), read_manifest(str(ref.ckpt), STEPS)
+    assert mine.tensors and {n: t.shape for n, t in mine.tensors.items()} == {
+        n: t.shape for n, t in theirs.tensors.items()}
 
 
 def print_timings(what: str, kill_time: float, results: dict[str, dict[str, Any]]) -> None:
