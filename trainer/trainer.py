@@ -508,7 +508,9 @@ class Trainer:
         it cannot commit; the old engine's hooks are removed; every process group and DeepSpeed's
         cached groups are destroyed), joins the new one (:func:`~stalwart.trainer.reform.join_world`),
         builds a DeepSpeed engine for the same model and optimizer recipe, and restores the newest
-        committed checkpoint (``spec.restore_step`` at most) resharded to the new world: weights,
+        committed checkpoint resharded to the new world (not capped at ``spec.restore_step``: the
+        daemon learns of commits later than the disk has them, and a save committed meanwhile
+        is progress to keep, and a step number the re-run would collide with): weights,
         optimizer, scheduler, loss scaler, counters, data position and RNG, exactly as a freshly
         started process of the new world would. The checkpoint is read through the loader (its
         files are in the page cache after the save), not yet from the host copy of the snapshot.
@@ -543,7 +545,7 @@ class Trainer:
             timing.engine_built_at = time.time()
             self._attach(engine)
             self.round = spec.round
-            restored = self._restore(max_step=spec.restore_step, required=True, host=host)
+            restored = self._restore(required=True, host=host)
             assert restored is not None
             self._resume(restored)
         except ReformFailed:
