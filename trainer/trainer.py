@@ -326,6 +326,10 @@ class Trainer:
         set_reform_handler = getattr(self.agent, "set_reform_handler", None)
         if callable(set_reform_handler):  # the agent delivers the next world through it
             set_reform_handler(self.request_reform)
+        # Whether a Reform can come at all: only from a stalwart agent (or a harness that plays
+        # one). Under torchrun or plain processes nobody sends one, and a survivor that waited
+        # for it would only delay the restart of the whole world.
+        self.expects_reform = bool(getattr(self.agent, "enabled", False))
 
     def _attach(self, engine: Any) -> None:
         """Everything that belongs to one world: rank, groups, ZeRO view, checkpointer. The same
@@ -453,7 +457,10 @@ class Trainer:
             return spec
 
     def _await_reform(self, cause: BaseException) -> ReformSpec:
-        """After a collective failed: the agent's Reform, or :class:`ReformFailed`."""
+        """After a collective failed: the agent's Reform, or :class:`ReformFailed`; without an
+        agent (``expects_reform`` false) the collective's error itself, at once."""
+        if not self.expects_reform and not self._reform_event.is_set():
+            raise cause
         if not self._reform_event.wait(self.config.reform_wait_s):
             raise ReformFailed(
                 f"rank {self.rank} round {self.round} step {self.step}: a collective failed ({cause}) and no "

@@ -101,6 +101,8 @@ def main() -> None:
         (out / f"{args.name}.json").write_text(json.dumps(result))
         raise
 
+    trainer.expects_reform = True  # this harness plays the agent
+
     def watch() -> None:  # plays the agent client's Reform delivery
         while True:
             spec = read_spec(spec_path)
