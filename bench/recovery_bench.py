@@ -330,7 +330,8 @@ def faults_suite(args: argparse.Namespace) -> int:
         for kind in kinds:
             runs: list[tuple[str, Case]] = [("stalwart", c) for c in CASES[kind]]
             runs += [("c10d", c) for c in {(c.nodes): c for c in CASES[kind] if c.reform_in_place}.values()]
-            runs = [(system, c) for system, c in runs if system in args.systems.split(",")]
+            runs = [(system, c) for system, c in runs if system in args.systems.split(",")
+                    and (not args.nodes or c.nodes in [int(n) for n in args.nodes.split(",")])]
             for system, case in runs:
                 n = args.trials if system == "stalwart" else args.c10d_trials
                 for i in range(n):
@@ -390,6 +391,7 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=3, help="trials per mode (faults suite: per stalwart case)")
     parser.add_argument("--c10d-trials", type=int, default=3, help="faults suite: trials per torchrun case")
     parser.add_argument("--systems", default="stalwart,c10d", help="faults suite: which systems to run")
+    parser.add_argument("--nodes", default="", help="faults suite: only the cases of these node counts (e.g. 2)")
     parser.add_argument("--stalwart-trials", type=int, default=None, help="override --trials for stalwart")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
     parser.add_argument("--timeout", type=float, default=40.0, help="seconds to wait for recovery")
