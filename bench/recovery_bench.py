@@ -291,7 +291,8 @@ def torchrun_trial(case: Case, workdir: Path, index: int, timeout: float) -> Fau
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             now = time.time()
-            if detected is None and any(_workers(n) != b - {worker} for n, b in zip(survivors, before, strict=True)):
+            gone = {worker} if kind != "hang-worker" else set()  # a stopped worker is still there
+            if detected is None and any(_workers(n) != b - gone for n, b in zip(survivors, before, strict=True)):
                 detected = now - fault_at  # a torchrun stopped or replaced a worker: the fault was acted on
             events = [r for r in rows(log) if r.get("t", 0) > fault_at]
             restores = [r["t"] for r in events if r.get("event") == "restore"]
