@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import time
@@ -282,14 +281,33 @@ class _Run:
                            and int(d.name.split("-")[-1]) not in self.corrupted)  # a second flip would undo the first
         if not committed:
             raise RuntimeError("no committed checkpoint that is not corrupted already")
-        newest = committed[-1]
-        shard = max(newest.glob("rank-*.bin"), key=lambda p: p.stat().st_size)
-        with open(shard, "r+b") as f:
-            f.seek(shard.stat().st_size // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x40]))
-        step = int(newest.name.split("-")[-1])
+        from stalwart.ckpt import CheckpointError, read_manifest  # the manifest's format is ckpt's
+
+        for newest in reversed(committed):  # the newest may be going away under retention
+            step = int(newest.name.split("-")[-1])
+            try:
+                manifest = read_manifest(str(root), step)
+                break
+            except CheckpointError:
+                continue
+        else:
+            raise RuntimeError("no readable committed checkpoint to corrupt")
+        # One byte in the middle of every stored chunk: whatever part of this step a restore
+        # reads from disk is corrupt, so a restore that read any of it and did not refuse the
+        # step loaded corrupt data. (Parts a re-forming survivor copies from its own memory
+        # were never corrupted.)
+        flips: dict[str, set[int]] = {}
+        for tensor in manifest.tensors.values():
+            for part in tensor.parts:
+                for chunk in part.chunks:
+                    flips.setdefault(part.file, set()).add(chunk.offset + chunk.stored // 2)
+        for name, offsets in flips.items():
+            with open(newest / name, "r+b") as f:
+                for offset in sorted(offsets):
+                    f.seek(offset)
+                    byte = f.read(1)
+                    f.seek(offset)
+                    f.write(bytes([byte[0] ^ 0x40]))
         self.corrupted[step] = self.now()
         return step
 
@@ -309,7 +327,9 @@ class _Run:
                 # The job does not stop for a full disk: it trains on and its saves fail. Detected
                 # when the trainer reports a failed save; resumed at the first commit once freed.
                 if r.detected_at is None:
-                    r.detected_at = self._first_event_after("save_failed", r.injected_at)
+                    failed = self._first_event_after("save_failed", r.injected_at)
+                    if failed is not None and (a.undone_at is None or failed <= a.undone_at + 5.0):
+                        r.detected_at = failed  # not a later fill's failure
                 if r.detected_at is not None and r.resumed_at is None and a.undone_at is not None:
                     r.resumed_at = self._first_event_after("commit", a.undone_at)
                 if r.detected_at is None and a.undone_at is not None and now - a.undone_at > 5.0 and not a.moot:
@@ -427,6 +447,7 @@ class _Run:
 
         Corruption is a point in time: a restore before it, or of the same step committed again
         after it (the loader set the bad one aside and training saved that step anew), is fine.
+        So is a re-form that took the whole step from its own memory (no byte read from disk).
         """
         lost = corrupt = 0
         commits: set[int] = set()
@@ -440,9 +461,9 @@ class _Run:
                 step = int(e["step"])  # type: ignore[call-overload]
                 commits.add(step)
                 bad.discard(step)
-            elif e.get("event") in ("restore", "rollback", "reform"):
+            elif e.get("event") in ("restore", "rollback"):  # a re-form's load is its restore event
                 step = int(e["step"])  # type: ignore[call-overload]
-                if step in bad:
+                if step in bad and e.get("disk_bytes", 1):  # read some of it from disk, and took it
                     corrupt += 1
                 good = [c for c in commits if c not in bad]
                 if good and max(good) > step:

@@ -967,7 +967,8 @@ class Trainer:
         if not rollback:
             self.recorder.write("restore", step=result.step, world_size=self.world_size,
                                 saved_world_size=saved_world, skipped=[s for s, _ in result.skipped],
-                                rollbacks=len(self.ledger))  # fmt: skip
+                                rollbacks=len(self.ledger), host_bytes=host_bytes,
+                                disk_bytes=result.bytes_read)  # fmt: skip
         return RestoreInfo(result.step, DataPosition.from_json(meta["position"]), saved_world, result.skipped)
 
     def _check_data(self, meta: dict[str, Any], step: int) -> None:
