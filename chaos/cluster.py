@@ -147,7 +147,7 @@ class LocalCluster:
             f'job = "{self.job}"\nnode_id = "{node}"\ncommand = [{command}]\nworkers = {c.workers_per_node}\n'
             f'listen = "{self.net.address(node) if self.net else "127.0.0.1"}:0"\ninsecure = true\nstate_dir = "{self.workdir / node}"\n'
             f"lease_ttl = {c.lease_ttl}\nprobe = \"fake\"\nfault_injection = true\nstop_grace = 10.0\n"
-            f"stall_floor = 4.0\nstall_factor = 10.0\nstall_first_step = 180.0\nprogress_interval = 0.3\n"
+            f"stall_floor = 4.0\nstall_factor = 10.0\nstall_first_step = 180.0\nprogress_interval = 0.1\n"
             f"busy_window = 5\nreform_in_place = {str(c.reform_in_place).lower()}\nspares = {c.spares}\n"
             f"peer_probe_interval = 2.0\n[etcd]\nendpoints = [{', '.join(repr(e) for e in self.etcd.endpoints)}]\n"
             .replace("'", '"'))

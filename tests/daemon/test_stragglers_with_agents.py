@@ -48,7 +48,7 @@ lease_ttl = 2
 probe = "fake"
 stop_grace = 2.0
 fault_injection = true
-progress_interval = 0.3
+progress_interval = 0.1
 busy_window = 5
 stall_first_step = 60.0
 [etcd]
