@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -29,24 +28,6 @@ def _config(etcd: LocalEtcd, tmp_path: Path, job: str, **kw: object) -> AgentCon
         stop_grace=2.0, progress_interval=0.5, peer_probe_interval=0.5)
     settings.update(kw)
     return AgentConfig(**settings)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def start_agent() -> Iterator[Callable[[AgentConfig], NodeAgent]]:
-    agents: list[tuple[NodeAgent, threading.Thread]] = []
-
-    def start(config: AgentConfig) -> NodeAgent:
-        agent = NodeAgent(config)
-        agent.start()
-        thread = threading.Thread(target=agent.run, daemon=True)  # lives as long as the workers
-        thread.start()
-        agents.append((agent, thread))
-        return agent
-
-    yield start
-    for agent, thread in agents:
-        agent.shutdown()
-        thread.join(timeout=15)
 
 
 def _open_round(client: EtcdClient, keys: JobKeys, number: int, members: list[tuple[str, str]]) -> None:
