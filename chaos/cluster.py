@@ -166,9 +166,17 @@ class LocalCluster:
         return records_pb2.RoundRecord.FromString(kv.value) if kv else None
 
     def leader(self) -> str | None:
+        term = self.leader_term()
+        return term[0] if term else None
+
+    def leader_term(self) -> tuple[str, float] | None:
+        """The leader and when it was elected: a restarted daemon may lead again under its old name."""
         assert self.client is not None
         kv = self.client.get(self.keys.leader)
-        return records_pb2.LeaderRecord.FromString(kv.value).daemon_id if kv else None
+        if not kv:
+            return None
+        record = records_pb2.LeaderRecord.FromString(kv.value)
+        return record.daemon_id, record.elected_at
 
     def daemon_status(self) -> records_pb2.DaemonStatus | None:
         assert self.client is not None

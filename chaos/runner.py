@@ -36,7 +36,7 @@ class _Active:
     spec: FaultSpec
     record: FaultRecord
     round_before: int
-    leader_before: str | None
+    leader_before: tuple[str, float] | None
     undo_at: float | None = None
     undo: Callable[[], None] | None = None
     undone_at: float | None = None
@@ -194,7 +194,7 @@ class _Run:
     def _inject(self, spec: FaultSpec) -> None:
         rnd = self.rounds[-1].number if self.rounds else 0
         target = self._target(spec)
-        active = _Active(spec, FaultRecord(spec.kind, target, self.now()), rnd, self.cluster.leader())
+        active = _Active(spec, FaultRecord(spec.kind, target, self.now()), rnd, self.cluster.leader_term())
         try:
             detail = self._apply(active, target)
         except Exception as exc:  # the fault could not be applied: say so in the report
@@ -362,8 +362,8 @@ class _Run:
                 continue
             if r.detected_at is None:
                 if r.kind == "kill-daemon":
-                    leader = self.cluster.leader()
-                    if leader is not None and leader != a.leader_before:
+                    term = self.cluster.leader_term()
+                    if term is not None and term != a.leader_before:  # a new term, even under the old name
                         r.detected_at = now
                 elif r.kind == "kill-etcd":
                     r.detected_at = r.injected_at  # nothing to detect: clients fail over
