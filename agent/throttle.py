@@ -1,9 +1,12 @@
-"""Fault injection: slow one worker down with a SIGSTOP/SIGCONT duty cycle.
+"""Fault injection: slow one worker down by a factor with SIGSTOP/SIGCONT.
 
-Why a duty cycle rather than a lower CPU share: it works the same for any process (CPU or GPU
-bound, any cgroup setup) and needs no privileges beyond signalling our own child. The worker runs
-for ``period`` seconds, then is stopped for ``(factor - 1) * period``, so it gets ``1/factor`` of
-its wall time.
+Why signals: they work the same for any process (CPU or GPU bound, any cgroup setup) and need no
+privileges beyond signalling our own child. Why paced by the worker's CPU time rather than a fixed
+duty cycle: a worker blocked in a collective uses no CPU, and a fixed cycle whose period is near
+the step time can lock into that phase and slow nothing; stopping the worker for
+``(factor - 1)`` × the CPU time it used since the last look makes its compute take ``factor`` ×
+as long whatever the phase. Where the CPU clock of the worker cannot be read, a fixed duty
+cycle (run ``period``, stop ``(factor - 1) * period``) is the fallback.
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
-DEFAULT_PERIOD = 0.05
+DEFAULT_PERIOD = 0.01  # how often the throttle looks at the worker's CPU time
 
 
 @dataclass(frozen=True)
@@ -54,19 +58,50 @@ class Throttle:
             return False
 
     def _run(self) -> None:
-        run, pause = self.spec.period, (self.spec.factor - 1.0) * self.spec.period
         try:
-            while not self._stop.wait(run):
-                if not self._signal(signal.SIGSTOP):
-                    break  # the worker exited
-                stopped = self._stop.wait(pause)
-                if not self._signal(signal.SIGCONT) or stopped:
-                    break
+            if _cpu_seconds(self.pgid) is None:
+                self._duty_cycle()
+            else:
+                self._paced_by_cpu()
         finally:
             self._signal(signal.SIGCONT)
         log.info("throttle of rank %d (pgid %d) ended", self.rank, self.pgid, extra={"rank": self.rank})
+
+    def _paced_by_cpu(self) -> None:
+        last = _cpu_seconds(self.pgid)
+        while not self._stop.wait(self.spec.period):
+            now = _cpu_seconds(self.pgid)
+            if now is None or last is None:
+                return  # the worker exited
+            used, last = now - last, now
+            if used <= 0:
+                continue
+            if not self._signal(signal.SIGSTOP):
+                return
+            stopped = self._stop.wait((self.spec.factor - 1.0) * used)
+            if not self._signal(signal.SIGCONT) or stopped:
+                return
+            last = _cpu_seconds(self.pgid)
+
+    def _duty_cycle(self) -> None:
+        run, pause = self.spec.period, (self.spec.factor - 1.0) * self.spec.period
+        while not self._stop.wait(run):
+            if not self._signal(signal.SIGSTOP):
+                return  # the worker exited
+            stopped = self._stop.wait(pause)
+            if not self._signal(signal.SIGCONT) or stopped:
+                return
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time used by process ``pid`` (all its threads), from its Linux process CPU clock
+    (clock id ``(~pid << 3) | CPUCLOCK_SCHED``); None when it cannot be read (gone, or not Linux)."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except (OSError, OverflowError):
+        return None
