@@ -1,12 +1,14 @@
 """Fault injection: slow one worker down by a factor with SIGSTOP/SIGCONT.
 
 Why signals: they work the same for any process (CPU or GPU bound, any cgroup setup) and need no
-privileges beyond signalling our own child. Why paced by the worker's CPU time rather than a fixed
-duty cycle: a worker blocked in a collective uses no CPU, and a fixed cycle whose period is near
-the step time can lock into that phase and slow nothing; stopping the worker for
-``(factor - 1)`` × the CPU time it used since the last look makes its compute take ``factor`` ×
-as long whatever the phase. Where the CPU clock of the worker cannot be read, a fixed duty
-cycle (run ``period``, stop ``(factor - 1) * period``) is the fallback.
+privileges beyond signalling our own child. Why paced by the worker's own busy time rather than a
+fixed duty cycle: a worker blocked in a collective is not busy, and a fixed cycle whose period is
+near the step time can lock into that phase and slow nothing. The throttle stops the worker for
+``(factor - 1)`` × the time its main thread was runnable (on a CPU or waiting for one, from
+``/proc/PID/schedstat``) since the last look, so its compute takes ``factor`` × as long whatever
+the phase and however busy the machine's CPUs are. Where that cannot be read it uses the
+process's CPU time, and where that cannot be read either a fixed duty cycle (run ``period``,
+stop ``(factor - 1) * period``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
-DEFAULT_PERIOD = 0.01  # how often the throttle looks at the worker's CPU time
+DEFAULT_PERIOD = 0.01  # how often the throttle looks at the worker's busy time
 
 
 @dataclass(frozen=True)
@@ -59,18 +61,18 @@ class Throttle:
 
     def _run(self) -> None:
         try:
-            if _cpu_seconds(self.pgid) is None:
+            if _busy_seconds(self.pgid) is None:
                 self._duty_cycle()
             else:
-                self._paced_by_cpu()
+                self._paced_by_busy_time()
         finally:
             self._signal(signal.SIGCONT)
         log.info("throttle of rank %d (pgid %d) ended", self.rank, self.pgid, extra={"rank": self.rank})
 
-    def _paced_by_cpu(self) -> None:
-        last = _cpu_seconds(self.pgid)
+    def _paced_by_busy_time(self) -> None:
+        last = _busy_seconds(self.pgid)
         while not self._stop.wait(self.spec.period):
-            now = _cpu_seconds(self.pgid)
+            now = _busy_seconds(self.pgid)
             if now is None or last is None:
                 return  # the worker exited
             used, last = now - last, now
@@ -81,7 +83,7 @@ class Throttle:
             stopped = self._stop.wait((self.spec.factor - 1.0) * used)
             if not self._signal(signal.SIGCONT) or stopped:
                 return
-            last = _cpu_seconds(self.pgid)
+            last = _busy_seconds(self.pgid)
 
     def _duty_cycle(self) -> None:
         run, pause = self.spec.period, (self.spec.factor - 1.0) * self.spec.period
@@ -105,3 +107,14 @@ def _cpu_seconds(pid: int) -> float | None:
         return time.clock_gettime(((~pid) << 3) | 2)
     except (OSError, OverflowError):
         return None
+
+
+def _busy_seconds(pid: int) -> float | None:
+    """Seconds the main thread of ``pid`` was runnable (running, or waiting for a CPU), else its
+    process CPU time; None when neither can be read (the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            on_cpu, waiting = f.read().split()[:2]
+        return (int(on_cpu) + int(waiting)) / 1e9
+    except (OSError, ValueError):
+        return _cpu_seconds(pid)
