@@ -75,6 +75,10 @@ class AgentConfig:
     # and build everything, then wait for a rank. 0 by default: a command must support spares
     # (AgentClient.wait_for_assignment), and each spare costs a process's memory.
     spares: int = 0
+    # A worker that dies with no ready spare makes the node "replacing": it asks the daemon to
+    # leave it out (the others re-form at once) while it warms one spare per local worker; after
+    # this many seconds without them it stops asking and rejoins with cold processes.
+    replace_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         _check(bool(self.command), "command", "must name the program each worker runs")
@@ -87,6 +91,7 @@ class AgentConfig:
         _check(0.001 <= self.slow_worker_period <= 10, "slow_worker_period",
                f"must be within [0.001, 10] s, got {self.slow_worker_period}")
         _check(self.busy_window >= 1, "busy_window", f"must be >= 1 step, got {self.busy_window}")
+        _check(self.replace_timeout > 0, "replace_timeout", f"must be > 0 s, got {self.replace_timeout}")
         _check(self.reform_timeout > 0, "reform_timeout", f"must be > 0 s, got {self.reform_timeout}")
         _check(0 <= self.spares <= 64, "spares", f"must be within [0, 64] per node, got {self.spares}")
         _check(self.spares == 0 or self.reform_in_place, "spares",

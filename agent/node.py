@@ -95,6 +95,7 @@ class _State:
     gave_up: str = ""  # why the job gave up (a worker exited with EXIT_DIVERGED); cleared by a new round
     pending: dict[int, _PendingReform] = field(default_factory=dict)  # by pid
     can_reform: set[int] = field(default_factory=set)  # pids whose Hello said they handle Reform
+    replacing_since: float | None = None  # a worker died with no ready spare: warming replacements
 
 
 class NodeAgent:
@@ -264,6 +265,8 @@ class NodeAgent:
         with self._lock:
             self._state.worker_findings = []  # they were about the round that just ended
             self._state.gave_up = ""
+            if mine and self._state.replacing_since is not None:
+                self._end_replacing("back in the world")
         if self.config.reform_in_place and mine and not record.closed and not self._state.draining:
             self._join_in_place(record, self._assignment(record, mine[0]))
             return
@@ -466,12 +469,55 @@ class NodeAgent:
         if self.spare_pool.wanted and not self._state.draining:
             self.spare_pool.maintain()
         self._spare_metrics()
+        self._replacement_warm()
 
     def _spare_metrics(self) -> None:
         spares = self.spare_pool.status()
         ready = sum(1 for s in spares if s.ready)
         self.metrics.spares.labels(self.config.node_id, "ready").set(ready)
         self.metrics.spares.labels(self.config.node_id, "starting").set(len(spares) - ready)
+
+    def _replacement_warm(self) -> None:
+        """End "replacing" once a spare per local worker is ready (or it took too long); the
+        daemon may then take the node back into the world."""
+        with self._lock:
+            since = self._state.replacing_since
+            if since is None:
+                return
+            ready = sum(1 for s in self.spare_pool.status() if s.ready)
+            if ready >= self.config.workers:
+                self._end_replacing(f"{ready} warm spare(s) ready after {time.monotonic() - since:.1f} s")
+            elif self.spare_pool.disabled:
+                self._end_replacing(f"no warm spares: {self.spare_pool.disabled}")
+            elif time.monotonic() - since > self.config.replace_timeout:
+                self._end_replacing(f"no warm replacement within replace_timeout={self.config.replace_timeout:g} s")
+            else:
+                return
+        self._publish_health(force=True)
+
+    def _end_replacing(self, why: str) -> None:
+        """Caller holds the lock."""
+        self._state.replacing_since = None
+        self.spare_pool.wanted = self.config.spares if self.config.reform_in_place else 0
+        log.info("agent %s: no longer replacing a lost worker: %s", self.config.node_id, why,
+                 extra={"node": self.config.node_id})
+
+    def _start_replacing(self, exit_: WorkerExit, could_reform: bool) -> None:
+        """A worker of this round died: with no ready spare to take its rank, ask to leave the world
+        while spares warm up, so the other ranks need not wait for a cold process. Only for
+        workers that re-form in place (the survivors then re-form instead of restarting).
+        Caller holds the lock."""
+        if not (self.config.reform_in_place and could_reform and not self.spare_pool.disabled
+                and exit_.kind in (ExitKind.SIGNAL, ExitKind.OOM_KILLED, ExitKind.USER_ERROR)
+                and self._state.replacing_since is None):
+            return
+        if any(s.ready for s in self.spare_pool.status()):
+            return  # a warm spare takes the rank in the next round
+        self._state.replacing_since = time.monotonic()
+        self.spare_pool.wanted = max(self.spare_pool.wanted, self.config.workers)
+        log.info("agent %s: rank %d lost with no warm spare ready: replacing it out of the world", self.config.node_id,
+                 exit_.rank, extra={"node": self.config.node_id, "rank": exit_.rank, "round": exit_.round})
+        self._commands.put(("call", lambda: None))  # wake the main loop to start spares
 
     def _spare_exited(self, exit_: WorkerExit) -> None:
         """A spare's exit: not a worker failure (it held no rank); the pool replaces it."""
@@ -498,6 +544,7 @@ class NodeAgent:
         with self._lock:
             self._state.exits.append(exit_)
             pending = self._state.pending.pop(exit_.pid, None)
+            could_reform = exit_.pid in self._state.can_reform
             self._state.can_reform.discard(exit_.pid)
             group = self._state.group
             current = group.worker(exit_.local_rank) if group is not None else None
@@ -526,6 +573,8 @@ class NodeAgent:
                                                       "round": exit_.round})
                 self._last_progress_write = 0.0
             else:
+                if current is not None and current.pid == exit_.pid:
+                    self._start_replacing(exit_, could_reform)
                 self.metrics.faults.labels(self.config.node_id, f"worker-{exit_.kind.value}").inc()
                 self._state.worker_findings.append(Finding("worker", exit_.local_rank, Severity.OK,
                                                            f"worker-{exit_.kind.value}",
@@ -581,6 +630,7 @@ class NodeAgent:
             unreachable = list(self._state.unreachable)
         return records_pb2.HealthRecord(
             node_id=self.config.node_id, state=health_state(int(verdict(found))), unreachable_peers=unreachable,
+            replacing=self._state.replacing_since is not None,
             findings=[records_pb2.Finding(source=f.source, device=max(f.device, 0), state=health_state(int(f.severity)),
                                           code=f.code, detail=f.detail, round=f.round) for f in found],
         )

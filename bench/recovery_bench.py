@@ -33,6 +33,7 @@ timeouts. The killed node is never the one hosting c10d's rendezvous store.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -326,8 +327,12 @@ def faults_suite(args: argparse.Namespace) -> int:
         return 2
     fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else "-"  # noqa: E731
     trials: list[FaultTrial] = []
-    with tempfile.TemporaryDirectory(prefix="stalwart-faults-") as tmp:
-        workdir = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            workdir = Path(args.keep)
+            workdir.mkdir(parents=True, exist_ok=True)
+        else:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stalwart-faults-")))
         for kind in kinds:
             runs: list[tuple[str, Case]] = [("stalwart", c) for c in CASES[kind]]
             runs += [("c10d", c) for c in {(c.nodes): c for c in CASES[kind] if c.reform_in_place}.values()]
@@ -397,6 +402,7 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
     parser.add_argument("--timeout", type=float, default=40.0, help="seconds to wait for recovery")
     parser.add_argument("--out", default=None, help="JSON path (default: bench/results/<suite>.json)")
+    parser.add_argument("--keep", default=None, help="faults suite: run in this folder and keep it (logs, records)")
     args = parser.parse_args()
     # SIGTERM unwinds like Ctrl-C, so every trial's processes are torn down by its ``finally``.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

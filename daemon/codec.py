@@ -139,6 +139,13 @@ def decode_worker_failure(node_id: str, value: bytes) -> tuple[int, bool, str] |
     return int(latest), any(f.code in BLAMED_WORKER_CODES for f in mine), "; ".join(f.detail or f.code for f in mine)
 
 
+def decode_replacing(node_id: str, value: bytes) -> bool:
+    """Whether the node is warming a replacement for a lost worker (HealthRecord.replacing)."""
+    rec = _parse(records_pb2.HealthRecord, value, f"health {node_id}")
+    _check_id(rec.node_id, node_id, f"health {node_id}")
+    return bool(rec.replacing)
+
+
 GAVE_UP_CODE = "job-gave-up"
 GAVE_UP_PREFIX = "the job gave up"  # a closed round whose reason starts so stays closed
 

@@ -33,6 +33,7 @@ from stalwart.daemon.round_events import (
     PeerReachability,
     ProgressReport,
     Uncordon,
+    Replacing,
     WorkerFailed,
 )
 
@@ -78,6 +79,7 @@ class Feed:
         self.round_number = 0
         self._failures_seen: set[tuple[str, int]] = set()  # (node, round): one restart per failure
         self._unreachable: dict[str, frozenset[str]] = {}
+        self._replacing: set[str] = set()  # nodes whose last health record said replacing
         self._warned: set[str] = set()
         self._on_ignored = on_ignored
 
@@ -197,6 +199,7 @@ class Feed:
             return []
         self.registered.discard(node_id)
         self._unreachable.pop(node_id, None)
+        self._replacing.discard(node_id)
         return [LeaseLost(node_id)]
 
     def _health(self, node_id: str, value: bytes) -> list[Event]:
@@ -219,6 +222,10 @@ class Feed:
             # round - 1: a peer's broken collective may have restarted the round first
             self._failures_seen.add((node_id, -gave_up[0]))
             out.append(JobGaveUp(node_id, gave_up[0], gave_up[1]))
+        replacing = codec.decode_replacing(node_id, value)
+        if replacing != (node_id in self._replacing):  # before the failure: one batch, one new round
+            (self._replacing.add if replacing else self._replacing.discard)(node_id)
+            out.append(Replacing(node_id, replacing))
         failure = codec.decode_worker_failure(node_id, value)
         if failure is not None and node_id in self.members and failure[0] == self.round_number \
                 and (node_id, failure[0]) not in self._failures_seen:

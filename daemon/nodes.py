@@ -81,6 +81,7 @@ class NodeRecord:
     last_step: int | None = None
     last_progress_at: float | None = None
     unreachable: frozenset[str] = frozenset()
+    replacing: bool = False  # warming a replacement for a lost worker: out of new rounds if possible
 
     @property
     def eligible(self) -> bool:

@@ -46,6 +46,10 @@ class RoundPolicy:
     - ``exclude_stragglers`` (false): also take a straggler out of the world once the next
       checkpoint after its detection commits (a drain hold with the reason, lifted by uncordon),
       so the next round forms without it. Never when that would leave too few nodes.
+    - ``shrink_to_replace`` (true): a member whose worker died with no warm spare ready (its agent
+      says it is replacing) leaves the world at once if enough nodes remain, so the others re-form
+      in place in well under a second instead of waiting seconds for a new process; it rejoins by
+      the regrow rule once its replacement is warm. False: the round restarts with it.
     """
 
     min_nodes: int = 1
@@ -60,10 +64,12 @@ class RoundPolicy:
     straggler_factor: float = 1.5
     straggler_steps: int = 5
     exclude_stragglers: bool = False
+    shrink_to_replace: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.exclude_stragglers, bool):
-            raise PolicyError(f"exclude_stragglers must be true or false, got {self.exclude_stragglers!r}")
+        for name in ("exclude_stragglers", "shrink_to_replace"):
+            if not isinstance(getattr(self, name), bool):
+                raise PolicyError(f"{name} must be true or false, got {getattr(self, name)!r}")
         value = self.straggler_factor
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 1:
             raise PolicyError(f"straggler_factor must be a finite number > 1, got {value!r}")

@@ -25,6 +25,7 @@ __all__ = [
     "OpenRound",
     "PeerReachability",
     "ProgressReport",
+    "Replacing",
     "Status",
     "Tick",
     "Uncordon",
@@ -152,6 +153,17 @@ class WorkerFailed:
 
 
 @dataclass(frozen=True)
+class Replacing:
+    """A node says whether it is warming a replacement for a lost worker (no warm spare was ready
+    when the worker died). While it is, it leaves the world at the next round if enough nodes
+    remain without it, and is not taken into a new round: the other ranks re-form at once instead
+    of waiting for a new process to start. It comes back by the regrow rule once it is warm."""
+
+    node_id: str
+    replacing: bool
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed. Carries nothing: every call is given ``now``; a tick only gives time-based
     rules (join timeout, stall timeout, cool-down) a chance to fire when nothing else happens."""
@@ -168,6 +180,7 @@ Event = (
     | Uncordon
     | PeerReachability
     | WorkerFailed
+    | Replacing
     | Tick
 )
 
@@ -222,7 +235,7 @@ class Status:
 Decision = OpenRound | CloseRound | Status
 
 _NODE_EVENTS = (NodeRegistered, LeaseLost, HealthVerdict, ProgressReport, Drain, Cordon, Uncordon,
-                PeerReachability, WorkerFailed, JobGaveUp)
+                PeerReachability, WorkerFailed, JobGaveUp, Replacing)
 
 
 def _is_count(value: object, minimum: int) -> bool:
@@ -257,6 +270,9 @@ def malformed(event: object) -> str | None:
     elif isinstance(event, (WorkerFailed, JobGaveUp)):
         if not _is_count(event.round, 1):
             return f"round {event.round!r} is not a positive integer"
+    elif isinstance(event, Replacing):
+        if not isinstance(event.replacing, bool):
+            return f"replacing {event.replacing!r} is not a bool"
     elif isinstance(event, PeerReachability):
         peers = event.unreachable
         if not isinstance(peers, (set, frozenset)) or not all(isinstance(p, str) for p in peers):

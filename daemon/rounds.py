@@ -13,6 +13,11 @@ Rules, in the order the machine applies them:
   alone stops making progress for ``stall_timeout`` -> a new round at once, from the surviving
   members and any healthy waiting nodes, if a feasible world remains; otherwise the round closes
   and a :class:`Status` says what it is waiting for.
+- **Replacing a lost worker**: a member whose worker died with no warm spare to take its rank
+  (its agent says it is replacing) is left out of the new round when a feasible world remains
+  without it (``shrink_to_replace``), so the others re-form in place at once instead of waiting
+  for a new process to start; it is not taken into a round until its agent says the replacement
+  is warm, and then comes back by the regrow rule.
 - **Network stall**: no member made progress for ``stall_timeout`` -> the member that a strict
   majority of the other members report unreachable is excluded and a new round opens; when no
   single member qualifies, the same members (those still eligible) are reopened as a new round.
@@ -62,6 +67,7 @@ from stalwart.daemon.round_events import (
     OpenRound,
     PeerReachability,
     ProgressReport,
+    Replacing,
     Status,
     Uncordon,
     WorkerFailed,
@@ -271,6 +277,8 @@ class RoundMachine:
             self._on_worker_failed(event, now)
         elif isinstance(event, JobGaveUp):
             self._on_gave_up(event)
+        elif isinstance(event, Replacing):
+            self._on_replacing(event)
         # Tick: nothing to apply; the time-based rules run after every batch
 
     # --- event handlers -------------------------------------------------------------------------
@@ -291,7 +299,7 @@ class RoundMachine:
             self._sync(rec)
             return
         rec.address, rec.devices = ev.address, ev.devices
-        rec.registered = True
+        rec.registered, rec.replacing = True, False
         rec.health, rec.health_detail = Health.HEALTHY, ""
         if rec.state is NodeState.LOST:
             self._move(rec, NodeState.WAITING, "registered again")
@@ -349,6 +357,15 @@ class RoundMachine:
         if ev.blame and rec.state not in HELD:
             self._fault(rec, now, why)
         self._broken.append(f"node {rec.node_id} {why}")
+
+    def _on_replacing(self, ev: Replacing) -> None:
+        rec = self._known(ev.node_id, "replacing")
+        if rec is None or not self.policy.shrink_to_replace or rec.replacing is ev.replacing:
+            return
+        rec.replacing = ev.replacing
+        log.info("round %d: node %s: %s", self._round_no(), rec.node_id,
+                 "warming a replacement for a lost worker" if ev.replacing else "its replacement is warm")
+        self._sync(rec)
 
     def _on_gave_up(self, ev: JobGaveUp) -> None:
         st = self.state
@@ -536,8 +553,9 @@ class RoundMachine:
         st = self.state
         rnd = st.round
         assert rnd is not None, "_reopen needs an open round"
-        skip = exclude or set()
         survivors = [m for m in rnd.members if st.nodes[m].eligible]
+        replacing = {m for m in survivors if st.nodes[m].replacing}
+        skip = (exclude or set()) | replacing
         # A member that lost its lease and registered again in the same batch is both a survivor
         # and waiting: it keeps its place once.
         joining = [n for n in sorted(st.waiting) if n not in survivors] if newcomers else []
@@ -547,6 +565,8 @@ class RoundMachine:
             if left_out:
                 why += f"; too few nodes without {', '.join(left_out)}, keeping them"
             kept = survivors + joining
+        elif replacing:
+            why += f"; {', '.join(sorted(replacing))} left out while warming a replacement"
         return self._open(now, kept, why)
 
     def _open(self, now: float, candidates: list[str], why: str) -> list[Decision]:
@@ -636,7 +656,7 @@ class RoundMachine:
         self._sync(rec)
 
     def _sync(self, rec: NodeRecord) -> None:
-        if rec.state is NodeState.WAITING and rec.eligible:
+        if rec.state is NodeState.WAITING and rec.eligible and not rec.replacing:
             self.state.waiting.add(rec.node_id)
         else:
             self.state.waiting.discard(rec.node_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,32 @@ def test_soak(tmp_path: Path) -> None:
     # No reference run: a fault-free twin of a 30-minute run would double it. Exactly-once data,
     # no lost commits and no corrupt loads are checked without one.
     _run("soak", tmp_path, timeout=5000, reference=False)
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_worker_with_no_warm_spare_shrinks_the_world_in_place_and_its_node_regrows_warm(
+        tmp_path: Path) -> None:
+    from stalwart.chaos.scenario import from_mapping
+
+    scenario = from_mapping({
+        "name": "shrink-to-replace", "seed": 1,
+        "cluster": {"etcd_members": 1, "daemons": 1, "nodes": 3, "workers_per_node": 1, "lease_ttl": 2, "spares": 0},
+        "job": {"steps": 150, "checkpoint_every": 5, "zero_stage": 1, "global_batch": 12, "micro_batch": 2,
+                "step_time": 0.05, "samples": 2400},
+        "fault": [{"kind": "kill-worker", "at_step": 25, "node": "node2"}],
+    })
+    report = Runner(scenario, tmp_path / "work", progress=lambda line: None, timeout=240, reference=False).run()
+    assert all(report.checks.values()), report.checks
+    [fault] = report.faults
+    after = [r for r in report.rounds if r.t > fault.injected_at]
+    assert after and after[0].world_size == 2, report.rounds
+    assert "node2 left out while warming a replacement" in after[0].reason, after[0].reason
+    # the survivors re-formed in place (no process started) and node2 came back with a warm spare
+    assert any(r.world_size == 3 and "regrow" in r.reason for r in after[1:]), report.rounds
+    node2 = (tmp_path / "work" / "run" / "node2.log").read_text()
+    assert "no longer replacing a lost worker: 1 warm spare(s) ready" in node2
+    assert "spare (pid" in node2 and "takes rank 2" in node2
+    record = [json.loads(line) for line in (tmp_path / "work" / "run" / "steps.jsonl").read_text().splitlines()]
+    reforms = [e for e in record if e.get("event") == "reform" and e.get("world_size") == 2]
+    assert reforms, "the survivors did not re-form in place"
+    print(f"shrink 3 -> 2: detected {fault.detection_s:.2f} s, resumed {fault.recovery_s:.2f} s")

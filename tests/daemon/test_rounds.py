@@ -664,6 +664,49 @@ def test_repeated_blamed_worker_failures_quarantine_the_node() -> None:
     assert "c" not in ids(rnd) and sim.state_of("c") is NodeState.QUARANTINED
 
 
+def _lose_worker(sim: Sim, node: str, rnd: OpenRound) -> list[Decision]:
+    """What an agent's one health write says when a worker died with no warm spare ready."""
+    from stalwart.daemon.round_events import Replacing, WorkerFailed
+
+    return sim.machine.handle_batch([HealthVerdict(node, Health.HEALTHY), Replacing(node, True),
+                                     WorkerFailed(node, rnd.number, blame=True, detail="rank 1: SIGKILL")], sim.now)
+
+
+def test_a_node_replacing_a_lost_worker_leaves_until_warm_then_regrows_at_a_checkpoint() -> None:
+    from stalwart.daemon.round_events import Replacing
+
+    sim = Sim(min_nodes=2, regrow_cooldown=0.0)
+    first = sim.start("a", "b", "c")
+    sim.progress(5, dt=1)
+    sim.send(CheckpointCommitted(4))
+    shrunk = only_round(_lose_worker(sim, "b", first))
+    assert ids(shrunk) == ["a", "c"] and shrunk.restore_step == 4
+    assert "b left out while warming a replacement" in shrunk.reason
+    assert len(sim.machine.state.nodes["b"].faults) == 1
+    # a waiting node that is still warming is not taken back, not even at a checkpoint
+    sim.progress(7, dt=1)
+    assert rounds(sim.send(CheckpointCommitted(6))) == []
+    assert sim.send(Replacing("b", False), dt=1) == []  # warm: it waits for the regrow rule
+    sim.progress(9, dt=1)
+    regrown = only_round(sim.send(CheckpointCommitted(8)))
+    assert ids(regrown) == ["a", "c", "b"] and regrown.restore_step == 8
+
+
+def test_a_replacing_node_stays_when_the_world_would_be_too_small_without_it() -> None:
+    sim = Sim(min_nodes=3)
+    first = sim.start("a", "b", "c")
+    again = only_round(_lose_worker(sim, "c", first))
+    assert ids(again) == ["a", "b", "c"]
+    assert "too few nodes without c, keeping them" in again.reason
+
+
+def test_shrink_to_replace_off_restarts_with_the_same_members() -> None:
+    sim = Sim(min_nodes=2, shrink_to_replace=False)
+    first = sim.start("a", "b", "c")
+    again = only_round(_lose_worker(sim, "b", first))
+    assert ids(again) == ["a", "b", "c"] and "replacement" not in again.reason
+
+
 def test_lease_lost_and_registered_again_in_one_batch_is_one_member() -> None:
     sim = Sim(min_nodes=1, max_nodes=4, join_timeout=0.0, regrow_cooldown=0.0)
     sim.register("n0", "n1", "n2")
