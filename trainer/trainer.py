@@ -271,6 +271,7 @@ class ReformTimings:
     restored_at: float = 0.0
     first_step_at: float | None = None
     restored_step: int = 0
+    left_step: int = 0  # the last step this rank finished in the old world
     host_bytes: int = 0  # state restored from this process's host copy of the last committed save
     disk_bytes: int = 0  # read from the checkpoint files (what no host copy here held)
 
@@ -308,6 +309,8 @@ class Trainer:
         self._reform_lock = threading.Lock()
         self._reform_spec: ReformSpec | None = None
         self._reform_event = threading.Event()
+        # Some rank had a Reform when the last step closed: every rank leaves at this boundary.
+        self._leave_agreed = False
         self._first_step_pending: ReformTimings | None = None
         self._restore_bytes = (0, 0)
         self._attach(engine)
@@ -477,7 +480,8 @@ class Trainer:
         ``engine.step`` for each of ``batch.micro_batches``, and returns this rank's mean loss. It
         must take the engine it is given (a re-form builds a new one). A collective error (a peer
         died or hung past ``collective_timeout_s``) makes this rank wait for the agent's Reform and
-        re-form; a Reform that arrives between steps is applied there. Returns what
+        re-form; a Reform is applied at the first step boundary whose closing all-reduce carries it
+        from any rank, so that every rank of the old world leaves at the same step. Returns what
         :meth:`finish` returns. Raises :class:`ReformFailed` when re-forming is impossible, and
         whatever else ``step_fn`` raises.
         """
@@ -485,15 +489,19 @@ class Trainer:
             error_seen: float | None = None
             try:
                 for batch in self.batches():
-                    if self._reform_event.is_set():
-                        raise _ReformPending()
+                    if self._leave_agreed:
+                        raise _ReformPending("a rank had a Reform when the last step closed")
                     loss = step_fn(self.engine, batch)
                     self.step_done(loss)
-                if self._reform_event.is_set():
-                    raise _ReformPending()
+                if self._leave_agreed or self._reform_event.is_set():
+                    raise _ReformPending("a Reform came with the last step")
                 return self.finish()
-            except _ReformPending:
-                spec = self._take_reform()
+            except _ReformPending as pending:
+                # Every rank leaves at the same step boundary (the one whose closing all-reduce
+                # carried some rank's Reform): a rank that left on its own would leave its peers
+                # blocked in the next step's collectives until the collective timeout.
+                self._leave_agreed = False
+                spec = self._take_reform() if self._reform_event.is_set() else self._await_reform(pending)
                 cause = "reform"
             except Exception as exc:
                 # With a Reform pending the world is changing anyway: a peer that left first
@@ -525,7 +533,7 @@ class Trainer:
         Raises :class:`ReformFailed` (the agent then replaces this process).
         """
         timing = ReformTimings(round=spec.round, world_size=spec.world_size, rank=spec.rank, cause=cause,
-                               error_seen_at=error_seen_at, started_at=time.time())
+                               error_seen_at=error_seen_at, started_at=time.time(), left_step=self.step)
         if self._recipe is None:
             raise ReformFailed("this trainer's engine was not built by Trainer.initialize: it cannot be rebuilt",
                                round=spec.round)
@@ -653,6 +661,7 @@ class Trainer:
             float(grad_norm is not None), float(skipped_now > 0), float(self._reform_event.is_set()),
         ], dtype=torch.float64)  # fmt: skip
         dist.all_reduce(flags, group=self._control)
+        self._leave_agreed = flags[7].item() > 0
         loss_finite = flags[3].item() == 0
         mean_loss = flags[0].item() / self.world_size if loss_finite else math.nan
         agreed_norm = flags[4].item() / flags[5].item() if flags[5].item() > 0 else None

@@ -73,6 +73,9 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=3)
     ap.add_argument("--kill-at-step", type=int, default=None, help="SIGKILL this process after this step")
     ap.add_argument("--stop-at-step", type=int, default=None, help="SIGSTOP this process after this step")
+    ap.add_argument("--reform-at-step", type=int, default=None,
+                    help="hand this rank its own Reform (--reform-spec, JSON) during this step")
+    ap.add_argument("--reform-spec", default=None)
     ap.add_argument("--collective-timeout", type=float, default=30.0)
     ap.add_argument("--reform-wait", type=float, default=60.0)
     ap.add_argument("--dist-timeout", type=float, default=60.0)
@@ -125,6 +128,9 @@ def main() -> None:
             marker = "killed" if s == args.kill_at_step else "stopped"
             (out / f"{args.name}.{marker}").write_text(json.dumps({"time": time.time(), "step": s}))
             os.kill(os.getpid(), signal.SIGKILL if marker == "killed" else signal.SIGSTOP)
+        if args.reform_at_step is not None and s + 1 == args.reform_at_step and not trainer.reforms:
+            trainer.request_reform(ReformSpec(**json.loads(args.reform_spec)))
+            (out / f"{args.name}.reform-requested").write_text(json.dumps({"time": time.time(), "step": s + 1}))
         if trainer.reforms:
             gc.collect()  # the collector may reach the old engine any time; here it surely does
         return run_step(engine, batch, corpus, context)  # type: ignore[arg-type]

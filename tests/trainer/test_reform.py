@@ -238,6 +238,31 @@ def test_a_survivor_of_a_sigstopped_peer_is_out_within_the_collective_timeout(
         assert res["step"] == STEPS
 
 
+def test_ranks_whose_reforms_come_at_different_steps_leave_the_old_world_at_the_same_step(
+        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness]) -> None:
+    """A world change with every rank alive (a regrow, a drain): w0 gets its Reform during step 5,
+    w1 only a second later. Had w0 left at its own step boundary, w1 would sit in step 6's
+    collectives until the collective timeout and re-form only after a collective error."""
+    job = Harness(tmp_path, ds_env)
+    jobs.append(job)
+    port, new_port = free_port(), free_port()
+    spec = {"rank": 0, "world_size": 2, "master_addr": "127.0.0.1", "master_port": new_port, "round": 1}
+    job.start("w0", rank=0, world=2, port=port, extra=("--reform-at-step", "5", "--reform-spec", json.dumps(spec)))
+    job.start("w1", rank=1, world=2, port=port)
+    requested = job.wait_marker("w0", "reform-requested")
+    time.sleep(1.0)
+    job.reform("w1", rank=1, world=2, port=new_port, round=1)
+    results = job.wait(["w0", "w1"])
+    print_timings("planned re-form", requested["time"], results)
+    for name, res in results.items():
+        assert "error" not in res, (name, res["error"], job.logs())
+        (t,) = res["reforms"]
+        assert t["cause"] == "reform", (name, t)  # not "collective_error": nobody was left behind
+        assert res["step"] == STEPS
+    # both left after step 5, the step whose closing all-reduce carried w0's Reform
+    assert {n: r["reforms"][0]["left_step"] for n, r in results.items()} == {"w0": 5, "w1": 5}
+
+
 def test_a_rank_that_cannot_reform_raises_reform_failed(ds_env: dict[str, str], tmp_path: Path,
                                                         jobs: list[Harness]) -> None:
     job = Harness(tmp_path, ds_env)
