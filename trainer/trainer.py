@@ -327,8 +327,10 @@ class Trainer:
         if callable(set_fault_handler):  # the agent delivers chaos injections through it
             set_fault_handler(self.inject_fault)
         set_reform_handler = getattr(self.agent, "set_reform_handler", None)
-        if callable(set_reform_handler):  # the agent delivers the next world through it
+        if callable(set_reform_handler) and self.cannot_reform is None:  # the agent delivers the next world
             set_reform_handler(self.request_reform)
+        elif callable(set_reform_handler):  # the agent then restarts this worker at a round change
+            log.info("rank %d: no in-place re-form: %s", self.rank, self.cannot_reform)
         # Whether a Reform can come at all: only from a stalwart agent (or a harness that plays
         # one). Under torchrun or plain processes nobody sends one, and a survivor that waited
         # for it would only delay the restart of the whole world.
@@ -453,6 +455,19 @@ class Trainer:
         log.warning("rank %d round %d step %d: Reform to rank %d of %d in round %d", self.rank, self.round,
                     self.step, spec.rank, spec.world_size, spec.round)
 
+    @property
+    def cannot_reform(self) -> str | None:
+        """Why this process cannot move to another world in place (None: it can). A worker that
+        cannot does not tell the agent it can, so the agent restarts it at a round change instead
+        of sending it a Reform it would refuse."""
+        if self._recipe is None:
+            return "the engine was not built by Trainer.initialize, so it cannot be rebuilt"
+        if self._recipe.unsupported:
+            return f"cannot rebuild the engine: {self._recipe.unsupported}"
+        if self.state.stage == 3:
+            return "in-place re-form supports ZeRO stage 1 and 2 (stage 3 partitions the module itself)"
+        return None
+
     def _take_reform(self) -> ReformSpec | None:
         with self._reform_lock:
             spec, self._reform_spec = self._reform_spec, None
@@ -527,25 +542,19 @@ class Trainer:
         daemon learns of commits later than the disk has them, and a save committed meanwhile
         is progress to keep, and a step number the re-run would collide with): weights,
         optimizer, scheduler, loss scaler, counters, data position and RNG, exactly as a freshly
-        started process of the new world would. The checkpoint is read through the loader (its
-        files are in the page cache after the save), not yet from the host copy of the snapshot.
+        started process of the new world would. The parts this process saved itself come from its
+        host copy of that checkpoint's snapshot; the rest is read from disk and verified.
         Collective over the new world: every rank of it must be re-forming (or be a spare joining).
         Raises :class:`ReformFailed` (the agent then replaces this process).
         """
         timing = ReformTimings(round=spec.round, world_size=spec.world_size, rank=spec.rank, cause=cause,
                                error_seen_at=error_seen_at, started_at=time.time(), left_step=self.step)
-        if self._recipe is None:
-            raise ReformFailed("this trainer's engine was not built by Trainer.initialize: it cannot be rebuilt",
-                               round=spec.round)
-        if self._recipe.unsupported:
-            raise ReformFailed(f"cannot rebuild the engine: {self._recipe.unsupported}", round=spec.round)
+        if self.cannot_reform is not None:
+            raise ReformFailed(self.cannot_reform, round=spec.round)
         try:
             accumulation_steps(self.config.global_batch, self.config.micro_batch, spec.world_size)
         except TrainerError as exc:  # before joining: the peers would wait for this rank in vain
             raise ReformFailed(f"cannot re-form into round {spec.round}: {exc}", round=spec.round) from exc
-        if self.state.stage == 3:
-            raise ReformFailed("in-place re-form supports ZeRO stage 1 and 2 (stage 3 partitions the module "
-                               "itself)", round=spec.round)
         log.warning("rank %d round %d step %d: re-forming as rank %d of %d (round %d, master %s:%d, cause %s)",
                     self.rank, self.round, self.step, spec.rank, spec.world_size, spec.round, spec.master_addr,
                     spec.master_port, cause)

@@ -45,6 +45,15 @@ def test_restore_at_the_same_dp_size_is_bitwise_equal(saved: dict[str, Any], con
     assert r["position"] == {"epoch": 0, "consumed": 96}
 
 
+def test_only_zero_1_and_2_workers_offer_to_reform_in_place(saved: dict[str, Any]) -> None:
+    for config in ALL:
+        why = saved[config]["cannot_reform"]
+        if config in STAGE_1_2:
+            assert why is None, (config, why)
+        else:  # ZeRO-3 workers are restarted at a round change instead of refusing a Reform
+            assert why is not None and "stage 1 and 2" in why, (config, why)
+
+
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_restore_at_another_dp_size_is_bitwise_equal(saved: dict[str, Any], torchrun_jobs: Torchrun, out: Path,
                                                       world: int) -> None:

@@ -150,6 +150,7 @@ def main() -> None:
             torch.manual_seed(12345)  # the restore must bring the saved stream back
             results[name] = restore_and_check(out, name, ckroot, 4)
             results[name]["rng_restored"] = results[name]["rng"] == rng_at_save.hex()
+            results[name]["cannot_reform"] = trainer.cannot_reform
     elif mode == "restore":
         for name in names:
             results[name] = restore_and_check(out, name, ckroot, 4)
