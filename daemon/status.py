@@ -26,7 +26,7 @@ class NodeRow:
     node: str
     place: str = "lost"  # in world, waiting, lost, unhealthy
     rank: int | None = None
-    holds: list[str] = field(default_factory=list)  # cordoned, drained, quarantined, draining
+    holds: list[str] = field(default_factory=list)  # cordoned, drained, quarantined, draining, replacing
     health: str = "unknown"
     last_step: int | None = None
     step_round: int | None = None
@@ -87,6 +87,8 @@ def read_status(client: EtcdClient, job: str) -> JobStatus:
                     row.holds.append("draining")
             elif parsed.kind is Kind.HEALTH:
                 _row(rows, name).health = codec.health_name(kv.value, name)
+                if codec.decode_replacing(name, kv.value):
+                    _row(rows, name).holds.append("replacing")  # out until its replacement is warm
             elif parsed.kind is Kind.PROGRESS:
                 round_number, step, _ = codec.decode_progress(name, kv.value)
                 row = _row(rows, name)

@@ -45,9 +45,10 @@ class SimAgent:
         self.client.put(self.keys.node(self.node_id), rec.SerializeToString(), lease=self.lease.id)
         return self
 
-    def health(self, state: int = records_pb2.HEALTH_OK, unreachable: tuple[str, ...] = ()) -> None:
+    def health(self, state: int = records_pb2.HEALTH_OK, unreachable: tuple[str, ...] = (),
+               findings: tuple[records_pb2.Finding, ...] = (), replacing: bool = False) -> None:
         rec = records_pb2.HealthRecord(node_id=self.node_id, state=state, unreachable_peers=list(unreachable),
-                                       checked_at=time.time())
+                                       checked_at=time.time(), findings=list(findings), replacing=replacing)
         self.client.put(self.keys.health(self.node_id), rec.SerializeToString())
 
     def progress(self, round_number: int, step: int) -> None:

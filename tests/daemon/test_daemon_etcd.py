@@ -182,6 +182,43 @@ def test_holds_and_quarantine_survive_leader_fail_over(etcd_server: LocalEtcd, e
         rounds.close()
 
 
+def test_a_node_replacing_a_lost_worker_leaves_shows_in_status_and_regrows_once_warm(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        make_agent: MakeAgent) -> None:
+    job = new_job()
+    rounds = RoundLog(etcd_client, job)
+    etcd = ["--endpoints", ",".join(etcd_server.endpoints), "--job", job]
+    daemon = DaemonProc(etcd_server.endpoints, job, tmp_path / "d1.log", "d1", "--min-nodes", "2", "--max-nodes",
+                        "3", "--regrow-cooldown", "0")
+    try:
+        agents = {n: make_agent(job, n).register() for n in ("a", "b", "c")}
+        first = rounds.wait_number(1)
+        assert members(first) == ["a", "b", "c"]
+        lost = records_pb2.Finding(source="worker", state=records_pb2.HEALTH_OK, code="worker-signal",
+                                   detail="rank 1: killed by SIGKILL", round=first.number)
+        agents["b"].health(findings=(lost,), replacing=True)  # one write, as the agent does it
+        second = rounds.wait_number(2)
+        assert members(second) == ["a", "c"] and "b left out while warming a replacement" in second.reason
+        capsys.readouterr()
+        assert cli(["status", "--json", *etcd]) == 0
+        rows = {r["node"]: r for r in json.loads(capsys.readouterr().out)["nodes"]}
+        assert rows["b"]["holds"] == ["replacing"] and rows["b"]["place"] == "waiting"
+        for n in ("a", "c"):
+            agents[n].progress(second.number, 12)
+        etcd_client.put(JobKeys(job).ckpt(10), records_pb2.CheckpointRecord(step=10).SerializeToString())
+        time.sleep(1.0)  # a checkpoint while b is still warming: no regrow
+        assert rounds.latest is not None and rounds.latest.number == 2
+        agents["b"].health(replacing=False)
+        for n in ("a", "c"):
+            agents[n].progress(second.number, 16)
+        etcd_client.put(JobKeys(job).ckpt(15), records_pb2.CheckpointRecord(step=15).SerializeToString())
+        third = rounds.wait_number(3)
+        assert members(third) == ["a", "c", "b"] and "regrow" in third.reason
+    finally:
+        daemon.stop()
+        rounds.close()
+
+
 def test_malformed_values_and_unknown_nodes_are_ignored(etcd_server: LocalEtcd, etcd_client: EtcdClient,
                                                         tmp_path: Path, make_agent: MakeAgent) -> None:
     job = new_job()
