@@ -11,7 +11,10 @@ worker, other than the victim, that a torchrun stops or replaces) and *fault to 
 the fault by a restored world). Kinds: ``kill-worker`` (SIGKILL one worker), ``kill-node`` (the
 node's agent or torchrun and its worker, SIGKILL), ``hang-worker`` (SIGSTOP one worker; torchrun
 has no hang detection, so it only recovers if a collective times out), ``network-cut`` (stalwart
-only, needs root: torchrun's nodes share loopback here).
+only, needs root: torchrun's nodes share loopback here). ``kill-worker`` runs three stalwart
+shapes: 2 nodes + 1 warm spare each (the spare takes the rank: 2 -> 2), 3 nodes without spares
+(the node leaves while it warms a replacement and the others re-form in place: 3 -> 2), and 3
+nodes restarting every worker (``reform_in_place = false``).
 
 ``rendezvous``: the older comparison below, kept for the torchrun backend.
 
@@ -28,6 +31,8 @@ timeouts. The killed node is never the one hosting c10d's rendezvous store.
 
     python bench/recovery_bench.py --trials 3                      # faults suite: table + bench/results/faults.json
     python bench/recovery_bench.py --suite rendezvous --trials 5   # writes bench/results/recovery.json
+    python bench/recovery_bench.py --kinds kill-worker --trials 10 --c10d-trials 10 --skip-restart \
+        --out bench/results/faults-kill-worker.json                   # a dead worker: 2 -> 2 and 3 -> 2
 """
 
 from __future__ import annotations
@@ -337,6 +342,7 @@ def faults_suite(args: argparse.Namespace) -> int:
             runs: list[tuple[str, Case]] = [("stalwart", c) for c in CASES[kind]]
             runs += [("c10d", c) for c in {(c.nodes): c for c in CASES[kind] if c.reform_in_place}.values()]
             runs = [(system, c) for system, c in runs if system in args.systems.split(",")
+                    and (c.reform_in_place or not args.skip_restart)
                     and (not args.nodes or c.nodes in [int(n) for n in args.nodes.split(",")])]
             for system, case in runs:
                 n = args.trials if system == "stalwart" else args.c10d_trials
@@ -402,6 +408,8 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
     parser.add_argument("--timeout", type=float, default=40.0, help="seconds to wait for recovery")
     parser.add_argument("--out", default=None, help="JSON path (default: bench/results/<suite>.json)")
+    parser.add_argument("--skip-restart", action="store_true",
+                        help="faults suite: leave out stalwart's restart-everything cases")
     parser.add_argument("--keep", default=None, help="faults suite: run in this folder and keep it (logs, records)")
     args = parser.parse_args()
     # SIGTERM unwinds like Ctrl-C, so every trial's processes are torn down by its ``finally``.
