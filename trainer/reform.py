@@ -15,6 +15,8 @@ import dataclasses
 import os
 from typing import Any
 
+from stalwart.trainer.world_sockets import world_sockets
+
 ENV_SPARE = "STALWART_SPARE"
 """``1``: the worker is a warm spare; it has no rank until the agent assigns one."""
 
@@ -121,6 +123,7 @@ def leave_world() -> None:
     from deepspeed.utils import groups
 
     logger = logging.getLogger(__name__)
+    world_sockets.cut()  # a peer still waiting on this rank fails now, not at its timeout
     try:
         if ds_comm.cdb is not None and dist.is_initialized():
             ds_comm.destroy_process_group()
@@ -137,6 +140,15 @@ def leave_world() -> None:
     if ds_comm.cdb is not None and not _shm_op:
         _shm_op.append(getattr(ds_comm.cdb, "shm_comm_op", None))
     ds_comm.cdb = None
+
+
+def store_ports() -> set[int]:
+    """Ports of the rendezvous stores this process uses or hosts (their connections outlive a
+    world: see :mod:`~stalwart.trainer.world_sockets`)."""
+    ports = set(_hosted_stores)
+    if os.environ.get("MASTER_PORT", "").isdigit():
+        ports.add(int(os.environ["MASTER_PORT"]))
+    return ports
 
 
 def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, join_timeout_s: float) -> None:
@@ -161,6 +173,7 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     if dist.is_initialized():
         raise RuntimeError("join_world: this process is still in a world (call leave_world first)")
     os.environ.update(spec.env())
+    world_sockets.joining()
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     c10d.default_pg_timeout = timeout  # groups made later without a timeout (see the docstring)
     store = _hosted_stores.get(spec.master_port) if spec.rank == 0 else None

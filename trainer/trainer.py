@@ -100,7 +100,8 @@ from stalwart.trainer.health import (
     write_journal,
 )
 from stalwart.trainer.record import StepRecorder
-from stalwart.trainer.reform import ReformSpec, is_collective_error, is_spare, join_world, leave_world
+from stalwart.trainer.reform import ReformSpec, is_collective_error, is_spare, join_world, leave_world, store_ports
+from stalwart.trainer.world_sockets import world_sockets
 from stalwart.trainer.zero_state import ZeroState
 
 log = logging.getLogger(__name__)
@@ -420,6 +421,7 @@ class Trainer:
                 raise ReformFailed(f"spare cannot join round {spec.round}: {exc}", round=spec.round) from exc
         elif not dist.is_initialized():
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_PORT" not in os.environ:
+                world_sockets.joining()
                 c10d.default_pg_timeout = datetime.timedelta(seconds=config.collective_timeout_s)
                 deepspeed.init_distributed(
                     dist_backend=backend, timeout=datetime.timedelta(seconds=config.collective_timeout_s)
@@ -524,6 +526,7 @@ class Trainer:
                 if not is_collective_error(exc) and not self._reform_event.is_set():
                     raise
                 error_seen = time.time()
+                world_sockets.cut()  # peers blocked on this rank fail now instead of at their timeout
                 log.error("rank %d round %d step %d: collective failed: %s: %s", self.rank, self.round,
                           self.step, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
                 spec = self._await_reform(exc)
@@ -670,6 +673,8 @@ class Trainer:
             float(grad_norm is not None), float(skipped_now > 0), float(self._reform_event.is_set()),
         ], dtype=torch.float64)  # fmt: skip
         dist.all_reduce(flags, group=self._control)
+        if world_sockets.recording:  # the first step of a world: every group is connected now
+            world_sockets.ready(store_ports())
         self._leave_agreed = flags[7].item() > 0
         loss_finite = flags[3].item() == 0
         mean_loss = flags[0].item() / self.world_size if loss_finite else math.nan

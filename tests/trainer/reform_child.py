@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--reform-at-step", type=int, default=None,
                     help="hand this rank its own Reform (--reform-spec, JSON) during this step")
     ap.add_argument("--reform-spec", default=None)
+    ap.add_argument("--fail-at-step", type=int, default=None,
+                    help="raise a collective error (as if a peer's connection broke) in this step, once")
     ap.add_argument("--collective-timeout", type=float, default=30.0)
     ap.add_argument("--reform-wait", type=float, default=60.0)
     ap.add_argument("--dist-timeout", type=float, default=60.0)
@@ -131,6 +133,9 @@ def main() -> None:
         if args.reform_at_step is not None and s + 1 == args.reform_at_step and not trainer.reforms:
             trainer.request_reform(ReformSpec(**json.loads(args.reform_spec)))
             (out / f"{args.name}.reform-requested").write_text(json.dumps({"time": time.time(), "step": s + 1}))
+        if args.fail_at_step is not None and s + 1 == args.fail_at_step and not trainer.reforms:
+            (out / f"{args.name}.failed").write_text(json.dumps({"time": time.time(), "step": s + 1}))
+            raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer (injected by the test)")
         if trainer.reforms:
             gc.collect()  # the collector may reach the old engine any time; here it surely does
         return run_step(engine, batch, corpus, context)  # type: ignore[arg-type]

@@ -263,6 +263,32 @@ def test_ranks_whose_reforms_come_at_different_steps_leave_the_old_world_at_the_
     assert {n: r["reforms"][0]["left_step"] for n, r in results.items()} == {"w0": 5, "w1": 5}
 
 
+def test_a_rank_that_leaves_a_broken_world_cuts_its_connections_so_its_peers_are_out_at_once(
+        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness]) -> None:
+    """w1 sees a collective error in step 5 that its peers do not (a broken link to a fourth
+    party, say) and leaves, while w0 and w2 wait on it in step 5's collectives. gloo cannot abort
+    them; w1 cutting its old world's connections makes their receives fail at once instead of at
+    the collective timeout (60 s here)."""
+    timeout = 60.0
+    job = Harness(tmp_path, ds_env)
+    jobs.append(job)
+    port, new_port = free_port(), free_port()
+    extra = ("--collective-timeout", str(timeout))
+    for r in range(3):
+        job.start(f"w{r}", rank=r, world=3, port=port, extra=(*extra, "--fail-at-step", "5") if r == 1 else extra)
+    failed = job.wait_marker("w1", "failed")
+    for r in range(3):
+        job.reform(f"w{r}", rank=r, world=3, port=new_port, round=1)
+    results = job.wait([f"w{r}" for r in range(3)])
+    print_timings("w1 left a broken world", failed["time"], results)
+    for name, res in results.items():
+        assert "error" not in res, (name, res["error"], job.logs())
+        (t,) = res["reforms"]
+        assert t["cause"] == "collective_error", (name, t)
+        assert t["error_seen_at"] - failed["time"] < timeout / 4, (name, t)  # not the collective timeout
+        assert res["step"] == STEPS
+
+
 def test_a_rank_that_cannot_reform_raises_reform_failed(ds_env: dict[str, str], tmp_path: Path,
                                                         jobs: list[Harness]) -> None:
     job = Harness(tmp_path, ds_env)
