@@ -597,6 +597,11 @@ class NodeAgent:
         while not self._stop.wait(min(0.25, self.config.probe_interval)):
             now = time.monotonic()
             self._check_reforms(now)
+            with self._lock:
+                group = self._state.group
+                workers = [w for w in group.workers if w.running] if group is not None else []
+            for w in workers:
+                self.stalls.frozen(w.rank, _frozen(w.pid), now)
             for stall in self.stalls.check(now):
                 log.error("agent %s: rank %d stalled: no step for %.1f s (timeout %.1f s, last step %d)",
                           self.config.node_id, stall.rank, stall.silent_for, stall.timeout, stall.last_step,
@@ -937,15 +942,16 @@ class NodeAgent:
             return {lr: t.spec.factor for lr, t in self._throttles.items() if t.alive}
 
 
+def _frozen(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
 def _stopped(group: WorkerGroup, rank: int) -> bool:
     """Is this rank's process stopped (SIGSTOP, a debugger), rather than blocked or busy?"""
-    for w in group.workers:
-        if w.rank == rank and w.running:
-            try:
-                return bool(psutil.Process(w.pid).status() == psutil.STATUS_STOPPED)
-            except psutil.NoSuchProcess:
-                return False
-    return False
+    return any(w.rank == rank and w.running and _frozen(w.pid) for w in group.workers)
 
 
 def _read(path: str | None) -> bytes | None:

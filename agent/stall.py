@@ -2,8 +2,10 @@
 
 A worker is stalled when no step completes within ``max(floor, factor × median recent step
 time)`` of its last one. The first step after a start gets ``first_step`` seconds instead
-(imports, process-group set-up and compilation take far longer than a step). Pure: the caller
-passes the clock, so every rule is tested without sleeping.
+(imports, process-group set-up and compilation take far longer than a step). A worker that is
+frozen (stopped by a signal or a cgroup freezer) is stalled once it has been frozen for ``floor``
+seconds, even within that allowance: a frozen process is not starting up. Pure: the caller
+passes the clock (and what it saw of the process), so every rule is tested without sleeping.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class _Worker:
     last_step: int = -1
     times: deque[float] = field(default_factory=deque)
     stalled: bool = False
+    frozen_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,16 @@ class StallDetector:
             w.times.append(step_time)
         w.last_step, w.last_step_at, w.stalled = step, now, False
 
+    def frozen(self, rank: int, frozen: bool, now: float) -> None:
+        """What the caller saw of the worker's process just now: stopped (frozen) or not."""
+        w = self._workers.get(rank)
+        if w is None:
+            return
+        if not frozen:
+            w.frozen_since = None
+        elif w.frozen_since is None:
+            w.frozen_since = now
+
     def stalled(self, rank: int) -> bool:
         """Was this rank declared stalled, with no step since? (Such a worker is not kept in place.)"""
         w = self._workers.get(rank)
@@ -83,6 +96,8 @@ class StallDetector:
         for rank, w in self._workers.items():
             since = w.last_step_at if w.last_step_at is not None else w.started
             limit = self.timeout(rank)
+            if w.frozen_since is not None and now - w.frozen_since > self.policy.floor:
+                since, limit = w.frozen_since, min(limit, self.policy.floor)
             if not w.stalled and now - since > limit:
                 w.stalled = True
                 stalls.append(Stall(rank, now - since, limit, w.last_step))

@@ -77,3 +77,15 @@ def test_fake_probe_verdicts() -> None:
         probe.inject("xid", device=5, code=79)
     with pytest.raises(ValueError):
         probe.inject("meteor")
+def test_a_frozen_worker_is_stalled_after_the_floor_even_before_its_first_step() -> None:
+    d = StallDetector(StallPolicy(floor=2, factor=4, first_step=300))
+    d.started(0, now=0)
+    d.started(1, now=0)
+    d.frozen(0, True, now=5)  # SIGSTOPped while starting up
+    d.frozen(1, False, now=5)
+    assert d.check(now=6.9) == []
+    stalls = d.check(now=7.1)
+    assert [s.rank for s in stalls] == [0] and stalls[0].timeout == 2
+    d.frozen(1, True, now=8)
+    d.frozen(1, False, now=9)  # continued before the floor: still starting up
+    assert d.check(now=20) == []
