@@ -64,7 +64,7 @@ class AgentConfig:
     peer_probe_interval: float = 5.0
     metrics_port: int | None = None
     cwd: str | None = None
-    slow_worker_period: float = 0.01  # fault injection: how often FAULT_SLOW_WORKER looks at the CPU time
+    slow_worker_period: float = 0.02  # fault injection: mean run phase of the FAULT_SLOW_WORKER stop cycle
     busy_window: int = 9  # steps in the recent median of each rank's busy time
     straggler_factor: float = 1.5  # a local rank this much busier than the node's others is a straggler
     # In-place re-form: at a new round keep live, healthy workers that can re-form (their trainer

@@ -1,27 +1,24 @@
 """Fault injection: slow one worker down by a factor with SIGSTOP/SIGCONT.
 
-Why signals: they work the same for any process (CPU or GPU bound, any cgroup setup) and need no
-privileges beyond signalling our own child. Why paced by the worker's own busy time rather than a
-fixed duty cycle: a worker blocked in a collective is not busy, and a fixed cycle whose period is
-near the step time can lock into that phase and slow nothing. The throttle stops the worker for
-``(factor - 1)`` × the time its main thread was runnable (on a CPU or waiting for one, from
-``/proc/PID/schedstat``) since the last look, so its compute takes ``factor`` × as long whatever
-the phase and however busy the machine's CPUs are. Where that cannot be read it uses the
-process's CPU time, and where that cannot be read either a fixed duty cycle (run ``period``,
-stop ``(factor - 1) * period``).
+Why signals: they work the same for any process (CPU or GPU bound, or sleeping to stand in for a
+device) and need no privileges beyond signalling our own child. The worker runs for a random
+``U(0.5, 1.5) × period`` seconds, then is stopped for ``(factor - 1)`` times that, so it gets
+``1/factor`` of the wall time and whatever it is doing takes ``factor`` × as long. Why random:
+with a fixed cycle whose length is near the step time, the stops can lock into the phase where
+the worker waits in a collective anyway, and slow nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import threading
-import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
-DEFAULT_PERIOD = 0.01  # how often the throttle looks at the worker's busy time
+DEFAULT_PERIOD = 0.02  # mean length of a run phase
 
 
 @dataclass(frozen=True)
@@ -60,61 +57,20 @@ class Throttle:
             return False
 
     def _run(self) -> None:
+        rng = random.Random(self.pgid)
         try:
-            if _busy_seconds(self.pgid) is None:
-                self._duty_cycle()
-            else:
-                self._paced_by_busy_time()
+            while not self._stop.wait(run := self.spec.period * rng.uniform(0.5, 1.5)):
+                if not self._signal(signal.SIGSTOP):
+                    break  # the worker exited
+                stopped = self._stop.wait((self.spec.factor - 1.0) * run)
+                if not self._signal(signal.SIGCONT) or stopped:
+                    break
         finally:
             self._signal(signal.SIGCONT)
         log.info("throttle of rank %d (pgid %d) ended", self.rank, self.pgid, extra={"rank": self.rank})
-
-    def _paced_by_busy_time(self) -> None:
-        last = _busy_seconds(self.pgid)
-        while not self._stop.wait(self.spec.period):
-            now = _busy_seconds(self.pgid)
-            if now is None or last is None:
-                return  # the worker exited
-            used, last = now - last, now
-            if used <= 0:
-                continue
-            if not self._signal(signal.SIGSTOP):
-                return
-            stopped = self._stop.wait((self.spec.factor - 1.0) * used)
-            if not self._signal(signal.SIGCONT) or stopped:
-                return
-            last = _busy_seconds(self.pgid)
-
-    def _duty_cycle(self) -> None:
-        run, pause = self.spec.period, (self.spec.factor - 1.0) * self.spec.period
-        while not self._stop.wait(run):
-            if not self._signal(signal.SIGSTOP):
-                return  # the worker exited
-            stopped = self._stop.wait(pause)
-            if not self._signal(signal.SIGCONT) or stopped:
-                return
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-
-def _cpu_seconds(pid: int) -> float | None:
-    """CPU time used by process ``pid`` (all its threads), from its Linux process CPU clock
-    (clock id ``(~pid << 3) | CPUCLOCK_SCHED``); None when it cannot be read (gone, or not Linux)."""
-    try:
-        return time.clock_gettime(((~pid) << 3) | 2)
-    except (OSError, OverflowError):
-        return None
-
-
-def _busy_seconds(pid: int) -> float | None:
-    """Seconds the main thread of ``pid`` was runnable (running, or waiting for a CPU), else its
-    process CPU time; None when neither can be read (the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            on_cpu, waiting = f.read().split()[:2]
-        return (int(on_cpu) + int(waiting)) / 1e9
-    except (OSError, ValueError):
-        return _cpu_seconds(pid)
