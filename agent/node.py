@@ -599,7 +599,9 @@ class NodeAgent:
             self._check_reforms(now)
             with self._lock:
                 group = self._state.group
-                workers = [w for w in group.workers if w.running] if group is not None else []
+                throttled = set(self._throttles)  # stopped on purpose, in short bursts
+                workers = [w for w in group.workers if w.running and w.local_rank not in throttled] \
+                    if group is not None else []
             for w in workers:
                 self.stalls.frozen(w.rank, _frozen(w.pid), now)
             for stall in self.stalls.check(now):
