@@ -125,6 +125,11 @@ class TrainerConfig:
     on a small model), once the agent's Reform has arrived. ``reform_wait_s``: after a collective
     error, how long a survivor waits for that Reform before it raises :class:`ReformFailed`.
     ``dist_timeout_s``: how long joining a world waits for its peers (store and rendezvous).
+    ``nccl_abort_after_s`` (NCCL only; gloo cuts the old world's connections instead): when a
+    Reform has found this rank still in the old world this long, its main thread is taken to be
+    stuck in a collective on a lost peer and every process group is aborted (``ncclCommAbort``),
+    so that collective raises and the rank re-forms. ``None``: 3 × the last step time, at least
+    5 s (a Reform is otherwise applied at the next step boundary).
     """
 
     checkpoint_dir: str
@@ -143,6 +148,7 @@ class TrainerConfig:
     commit_timeout_s: float = 600.0
     collective_timeout_s: float = 30.0
     reform_wait_s: float = 60.0
+    nccl_abort_after_s: float | None = None
     health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
@@ -165,6 +171,8 @@ class TrainerConfig:
         if min(self.dist_timeout_s, self.commit_timeout_s, self.collective_timeout_s, self.reform_wait_s) <= 0:
             raise ValueError("dist_timeout_s, commit_timeout_s, collective_timeout_s and reform_wait_s "
                              "must be positive")
+        if self.nccl_abort_after_s is not None and self.nccl_abort_after_s <= 0:
+            raise ValueError(f"nccl_abort_after_s must be positive or None, got {self.nccl_abort_after_s}")
         if not isinstance(self.health, HealthConfig):
             raise ValueError(f"health must be a HealthConfig, got {type(self.health).__name__}")
 
@@ -177,6 +185,16 @@ class RestoreInfo:
     position: DataPosition
     saved_world_size: int
     skipped: list[tuple[int, str]] = field(default_factory=list)
+
+
+def _abort_all_groups() -> None:
+    """Abort every process group (NCCL: ``ncclCommAbort``); experimental in torch."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    try:
+        _abort_process_group()
+    except Exception as exc:  # noqa: BLE001 - the collective timeout still bounds the wait
+        log.error("aborting the process groups failed: %s: %s", type(exc).__name__, exc)
 
 
 def backend_for_device() -> str:
@@ -312,6 +330,9 @@ class Trainer:
         self._reform_event = threading.Event()
         # Some rank had a Reform when the last step closed: every rank leaves at this boundary.
         self._leave_agreed = False
+        self._leaves = 0  # times this process began to leave a world (see _abort_if_stuck)
+        self._left_world = threading.Event()
+        self._last_step_time = 0.0
         self._first_step_pending: ReformTimings | None = None
         self._restore_bytes = (0, 0)
         self._attach(engine)
@@ -454,8 +475,30 @@ class Trainer:
                 return
             self._reform_spec = spec
             self._reform_event.set()
+            leaves = self._leaves
         log.warning("rank %d round %d step %d: Reform to rank %d of %d in round %d", self.rank, self.round,
                     self.step, spec.rank, spec.world_size, spec.round)
+        if backend_for_device() == "nccl":
+            threading.Thread(target=self._abort_if_stuck, args=(leaves, _abort_all_groups), daemon=True,
+                             name="stalwart-nccl-abort").start()
+
+    def _abort_if_stuck(self, leaves: int, abort: Callable[[], None]) -> bool:
+        """NCCL's abort path (gloo has none: see ``world_sockets``). Wait ``nccl_abort_after_s``;
+        if this rank has not begun to leave the old world by then (``leaves`` unchanged), its main
+        thread is stuck in a collective on a lost peer: ``abort`` every process group so that the
+        collective raises and :meth:`train` re-forms. Returns whether it aborted."""
+        wait = self.config.nccl_abort_after_s
+        if wait is None:
+            wait = max(5.0, 3.0 * self._last_step_time)
+        if self._left_world.wait(wait) and self._leaves != leaves:
+            return False
+        with self._reform_lock:
+            if self._leaves != leaves:
+                return False
+        log.error("rank %d round %d step %d: still in the old world %.1f s after a Reform: aborting its "
+                  "process groups", self.rank, self.round, self.step, wait)
+        abort()
+        return True
 
     @property
     def cannot_reform(self) -> str | None:
@@ -552,6 +595,10 @@ class Trainer:
         """
         timing = ReformTimings(round=spec.round, world_size=spec.world_size, rank=spec.rank, cause=cause,
                                error_seen_at=error_seen_at, started_at=time.time(), left_step=self.step)
+        with self._reform_lock:
+            self._leaves += 1
+        self._left_world.set()
+        self._left_world.clear()
         if self.cannot_reform is not None:
             raise ReformFailed(self.cannot_reform, round=spec.round)
         try:
@@ -683,6 +730,7 @@ class Trainer:
         self._skipped_seen += skipped_now
         now = time.perf_counter()
         step_time, self._step_started = now - self._step_started, now
+        self._last_step_time = step_time
         fault = self.health.check(batch.step, mean_loss, loss_finite=loss_finite, grad_norm=agreed_norm,
                                   update_skipped=update_skipped)
         if fault is not None:
