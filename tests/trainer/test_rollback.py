@@ -33,11 +33,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _solo(env: dict[str, str], d: Path, name: str, *args: str) -> int:
-    """One rank, no torchrun: the environment torchrun would give a world of one."""
+def _solo(env: dict[str, str], d: Path, name: str, *args: str, fp16: bool = False) -> int:
+    """One rank, no torchrun: the environment torchrun would give a world of one. ``fp16``: run
+    the script through ``cpu_fp16.py`` (DeepSpeed allows fp16 on this CPU)."""
     world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    cmd = [sys.executable, SCRIPT, "--ckpt-dir", str(d / "ckpt"), "--steps-log", str(d / "steps.jsonl"), *COMMON,
+    launcher = [str(Path(__file__).with_name("cpu_fp16.py"))] if fp16 else []
+    cmd = [sys.executable, *launcher, SCRIPT, "--ckpt-dir", str(d / "ckpt"), "--steps-log", str(d / "steps.jsonl"), *COMMON,
            *args]
     with open(d / f"{name}.log", "ab") as out:
         return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, **world}, cwd=REPO,
@@ -171,7 +173,8 @@ def test_a_fault_before_the_first_checkpoint_stops_the_job(ds_env: dict[str, str
 def test_fp16_overflow_steps_deepspeed_skipped_are_not_faults(ds_env: dict[str, str], tmp_path: Path) -> None:
     """A loss scale of 2**24 overflows fp16 gradients: DeepSpeed drops those updates (grad norm
     inf) and lowers the scale. They are recorded as steps, not rolled back."""
-    rc = _solo(ds_env, tmp_path, "run", "--steps", "9", "--fp16", "--initial-scale-power", "24")
+    rc = _solo(ds_env, tmp_path, "run", "--steps", "9", "--fp16", "--initial-scale-power", "24",
+               fp16=True)
     assert rc == 0, tail(tmp_path / "run.log")
     events = read_events(str(tmp_path / "steps.jsonl"))
     assert _of(events, "fault") == [] and _of(events, "rollback") == []

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from cpu_fp16 import allow_fp16_on_cpu
 from torch import nn
 
 from stalwart.ckpt import CheckpointError
@@ -74,6 +75,7 @@ def make_trainer(name: str, root: str, hidden: int = 29, total_steps: int = 4, s
     else:
         kwargs["optimizer"] = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if fp16:
+        allow_fp16_on_cpu()
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 10}
     cfg = TrainerConfig(checkpoint_dir=os.path.join(root, name), global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
                         dataset_len=DATASET_LEN, total_steps=total_steps, save_every_steps=save_every)
