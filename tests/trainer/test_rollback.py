@@ -39,8 +39,8 @@ def _solo(env: dict[str, str], d: Path, name: str, *args: str, fp16: bool = Fals
     world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     launcher = [str(Path(__file__).with_name("cpu_fp16.py"))] if fp16 else []
-    cmd = [sys.executable, *launcher, SCRIPT, "--ckpt-dir", str(d / "ckpt"), "--steps-log", str(d / "steps.jsonl"), *COMMON,
-           *args]
+    cmd = [sys.executable, *launcher, SCRIPT, "--ckpt-dir", str(d / "ckpt"), "--steps-log", str(d / "steps.jsonl"),
+           *COMMON, *args]
     with open(d / f"{name}.log", "ab") as out:
         return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, **world}, cwd=REPO,
                               timeout=240).returncode

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from cpu_fp16 import allow_fp16_on_cpu
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from torch import nn
 
 from stalwart.ckpt import CheckpointError
