@@ -28,6 +28,10 @@ from stalwart.proto import agent_pb2
 
 log = logging.getLogger(__name__)
 LOSS_RTOL = 1e-4  # a different world size sums the same samples in another order
+TRAINING_FAULTS = ("nan-loss", "loss-spike")
+TRAINING_FAULT_LEAD = 6  # steps before its at_step that a NaN or a spike is sent to the agent
+TRAINING_FAULT_AHEAD = 3  # it never names a step closer than this to the last step seen
+APPLY_RETRY_S = 10.0  # a fault that cannot be applied is tried again (once a second) this long
 RECOVER_AFTER = 4.0  # seconds until a killed agent, daemon or etcd member is started again
 
 
@@ -95,6 +99,8 @@ class _Run:
         self.corrupted: dict[int, float] = {}  # checkpoint step -> when its byte was flipped
         self.notes: list[str] = []
         self.straggler_seen: set[str] = set()
+        self._first_failure: dict[int, float] = {}  # id(FaultSpec) -> when applying it first failed
+        self._retry_at: dict[int, float] = {}
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -110,9 +116,9 @@ class _Run:
                 self._read_record()
                 self._watch_round()
                 step = self._last_step()
-                for spec in [f for f in pending if self._due(f, step)]:
-                    pending.remove(spec)
-                    self._inject(spec)
+                for spec in [f for f in pending if self._due(f, step) and self.now() >= self._retry_at.get(id(f), 0.0)]:
+                    if self._inject(spec):
+                        pending.remove(spec)
                 self._follow_faults()
                 if self.now() - last_line >= 1.0:
                     last_line = self.now()
@@ -182,7 +188,9 @@ class _Run:
 
     def _due(self, spec: FaultSpec, step: int) -> bool:
         if spec.at_step is not None:
-            return step >= spec.at_step
+            # A NaN or a spike is sent ahead, so that the trainer has it before step at_step runs.
+            lead = TRAINING_FAULT_LEAD if spec.kind in TRAINING_FAULTS else 0
+            return step >= spec.at_step - lead
         return self.now() >= (spec.at_time or 0.0)
 
     def _target(self, spec: FaultSpec) -> str:
@@ -191,22 +199,30 @@ class _Run:
         members = self.cluster.members() or self.s.node_names()
         return self.rng.choice(members)
 
-    def _inject(self, spec: FaultSpec) -> None:
+    def _inject(self, spec: FaultSpec) -> bool:
+        """Apply ``spec``; False when it failed and is to be tried again (for up to APPLY_RETRY_S:
+        e.g. the target's agent is restarting, or retention is replacing the newest checkpoint)."""
         rnd = self.rounds[-1].number if self.rounds else 0
         target = self._target(spec)
         active = _Active(spec, FaultRecord(spec.kind, target, self.now()), rnd, self.cluster.leader_term())
         try:
             detail = self._apply(active, target)
-        except Exception as exc:  # the fault could not be applied: say so in the report
+        except Exception as exc:  # the fault could not be applied: try again, then say so in the report
+            first = self._first_failure.setdefault(id(spec), self.now())
+            if self.now() - first < APPLY_RETRY_S:
+                self._retry_at[id(spec)] = self.now() + 1.0
+                self.progress(f"! {spec.kind} on {target} failed ({exc}); trying again")
+                return False
             detail = f"not applied: {exc}"
             active.record.detail = detail
             self.notes.append(f"{spec.kind} on {target} at {active.record.injected_at:.1f} s: {detail}")
             active.record.detected_at = active.record.resumed_at = None
             self.progress(f"! {spec.kind} on {target}: {detail}")
-            return
+            return True
         active.record.detail = detail
         self.faults.append(active)
         self.progress(f"! injected {spec.kind} on {target}: {detail}")
+        return True
 
     def _apply(self, a: _Active, target: str) -> str:
         kind, c = a.spec.kind, self.cluster
@@ -243,9 +259,10 @@ class _Run:
             # Corruption shows only when a checkpoint is loaded: force a restore by killing a worker.
             c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=agent_pb2.FAULT_KILL_WORKER, device=0))
             return f"flipped a byte in checkpoint {step}, then killed a worker to force a restore"
-        if kind in ("nan-loss", "loss-spike"):
-            # A step far enough ahead that the command reaches the trainer before it runs.
-            step = self._last_step() + 3
+        if kind in TRAINING_FAULTS:
+            # The scenario's step, or (timed, or already past) one far enough ahead that the
+            # command reaches the trainer before that step runs.
+            step = max(a.spec.at_step or 0, self._last_step() + TRAINING_FAULT_AHEAD)
             factor = a.spec.factor or 1000.0
             fault = agent_pb2.FAULT_NAN_LOSS if kind == "nan-loss" else agent_pb2.FAULT_LOSS_SPIKE
             reply = c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(
@@ -283,15 +300,16 @@ class _Run:
             raise RuntimeError("no committed checkpoint that is not corrupted already")
         from stalwart.ckpt import CheckpointError, read_manifest  # the manifest's format is ckpt's
 
+        errors: list[str] = []
         for newest in reversed(committed):  # the newest may be going away under retention
             step = int(newest.name.split("-")[-1])
             try:
                 manifest = read_manifest(str(root), step)
                 break
-            except CheckpointError:
-                continue
+            except CheckpointError as exc:
+                errors.append(f"step {step}: {exc}")
         else:
-            raise RuntimeError("no readable committed checkpoint to corrupt")
+            raise RuntimeError(f"no readable committed checkpoint to corrupt ({'; '.join(errors)})")
         # One byte in the middle of every stored chunk: whatever part of this step a restore
         # reads from disk is corrupt, so a restore that read any of it and did not refuse the
         # step loaded corrupt data. (Parts a re-forming survivor copies from its own memory
@@ -337,7 +355,7 @@ class _Run:
                     r.detail += "; no checkpoint was attempted while the disk was full: no effect"
                     self.notes.append(f"fill-disk at {r.injected_at:.1f} s had no effect: no save while full")
                 continue
-            if r.kind in ("nan-loss", "loss-spike"):
+            if r.kind in TRAINING_FAULTS:
                 # Detected when the trainer rolls back; resumed at the first step after that.
                 if r.detected_at is None:
                     r.detected_at = self._first_event_after("rollback", r.injected_at)

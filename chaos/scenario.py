@@ -44,7 +44,7 @@ FAULT_KINDS = (
     "kill-agent",  # SIGKILL a node's agent (its workers die with it)
     "kill-daemon",  # SIGKILL the daemon leader
     "kill-etcd",  # SIGKILL one etcd member
-    "nan-loss",  # the trainer of one rank sees a NaN loss a few steps later (through the agent)
+    "nan-loss",  # the trainer of one rank sees a NaN loss at step at_step (timed: a few steps on), via the agent
     "loss-spike",  # the same with the loss multiplied by `factor`
     "slow-worker",  # the agent throttles one worker to 1/`factor` speed for `duration` seconds
 )

@@ -11,6 +11,7 @@ from stalwart.chaos.netns import unavailable_reason
 from stalwart.chaos.report import write
 from stalwart.chaos.runner import Runner
 from stalwart.chaos.scenario import load
+from stalwart.trainer import read_events
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "chaos" / "scenarios"
 
@@ -30,6 +31,13 @@ def _run(name: str, tmp_path: Path, timeout: float, reference: bool = True) -> N
     for fault in report.faults:
         assert fault.detection_s is not None and fault.recovery_s is not None, fault
     assert report.final_committed_step == scenario.job.steps
+    # A NaN or a spike of the timeline is the loss of exactly its step, and the trainer faults there.
+    faulted = {(e["step"], e["kind"]) for e in read_events(str(tmp_path / "work" / "run" / "steps.jsonl"))
+               if e["event"] == "fault"}
+    as_fault = {"nan-loss": "nonfinite_loss", "loss-spike": "spike"}
+    for f in scenario.faults:
+        if f.kind in as_fault:
+            assert (f.at_step, as_fault[f.kind]) in faulted, (f, sorted(faulted))
     assert paths["picture"].stat().st_size > 0
 
 
