@@ -20,8 +20,8 @@ from stalwart.proto import records_pb2
 
 __all__ = [
     "BadRecord", "FaultInfo", "Hold", "NodeInfo", "RoundInfo", "ckpt_summary", "decode_ckpt", "decode_cordon",
-    "decode_faults", "decode_health", "decode_node", "decode_progress", "decode_round", "decode_worker_failure",
-    "encode_closed",
+    "decode_hold", "decode_faults", "decode_health", "decode_node", "decode_progress", "decode_round",
+    "decode_worker_failure", "encode_closed",
     "encode_cordon", "encode_faults", "encode_leader", "encode_round", "encode_status", "health_name", "host_of",
     "leader_summary", "round_summary", "status_summary",
 ]
@@ -183,12 +183,19 @@ def decode_ckpt(step: int, value: bytes) -> CheckpointCommitted:
 
 
 def decode_cordon(node_id: str, value: bytes) -> Hold:
+    return decode_hold(node_id, value)[0]
+
+
+def decode_hold(node_id: str, value: bytes) -> tuple[Hold, str]:
+    """The hold and who set it, for a round's reason: ``by operator`` or ``by daemon d0: <why>``."""
     rec = _parse(records_pb2.CordonRecord, value, f"cordon {node_id}")
     _check_id(rec.node_id, node_id, f"cordon {node_id}")
     hold = _HOLD_FROM_PB.get(rec.kind)
     if hold is None:
         raise BadRecord(f"cordon {node_id}: unknown hold kind {rec.kind}")
-    return hold
+    if rec.by.startswith("daemon"):
+        return hold, f"by {rec.by}" + (f" ({rec.reason})" if rec.reason else "")
+    return hold, "by operator"
 
 
 def decode_faults(node_id: str, value: bytes) -> FaultInfo:

@@ -73,6 +73,7 @@ class Feed:
         self.registered: set[str] = set()
         self.known: set[str] = set()
         self.holds: dict[str, Hold] = {}
+        self.hold_why: dict[str, str] = {}  # who set each hold, for the round's reason
         self.draining: set[str] = set()
         self.quarantined: set[str] = set()
         self.members: frozenset[str] = frozenset()
@@ -182,10 +183,10 @@ class Feed:
             if hold is Hold.CORDON:
                 out.append(Cordon(node_id))
             elif hold is Hold.DRAIN:
-                out.append(Drain(node_id))
+                out.append(Drain(node_id, self.hold_why.get(node_id, "by operator")))
         if info.draining and node_id not in self.draining:
             self.draining.add(node_id)
-            out.append(Drain(node_id))
+            out.append(Drain(node_id, "by its agent"))
         elif not info.draining and node_id in self.draining:
             # The agent stopped draining (or came back fresh): it may rejoin unless someone else
             # holds it out.
@@ -248,7 +249,7 @@ class Feed:
 
     def _cordon(self, node_id: str, value: bytes) -> list[Event]:
         try:
-            hold = codec.decode_cordon(node_id, value)
+            hold, why = codec.decode_hold(node_id, value)
         except BadRecord as exc:
             self._ignored("cordon", str(exc))
             return []
@@ -257,9 +258,10 @@ class Feed:
             self.quarantined.discard(node_id)
             return [Uncordon(node_id)] if node_id in self.known else []
         self.holds[node_id] = hold
+        self.hold_why[node_id] = why
         if node_id not in self.known:
             return []  # applied when the node registers
-        return [Cordon(node_id) if hold is Hold.CORDON else Drain(node_id)]
+        return [Cordon(node_id) if hold is Hold.CORDON else Drain(node_id, why)]
 
     def _is_registered(self, node_id: str, what: str) -> bool:
         if node_id in self.registered:

@@ -110,9 +110,11 @@ class CheckpointCommitted:
 
 @dataclass(frozen=True)
 class Drain:
-    """Operator: take the node out of the world now and keep it out until uncordoned."""
+    """Take the node out of the world now and keep it out until uncordoned. ``why`` goes into the
+    round's reason: an operator, or the daemon itself (a straggler excluded at a checkpoint)."""
 
     node_id: str
+    why: str = "by operator"
 
 
 @dataclass(frozen=True)

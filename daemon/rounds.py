@@ -416,9 +416,9 @@ class RoundMachine:
             log.info("round %d: node %s: ignored drain, already %s",
                      self._round_no(), rec.node_id, rec.state.value)
             return
-        self._move(rec, NodeState.DRAINED, "drained by operator")
+        self._move(rec, NodeState.DRAINED, f"drained {ev.why}")
         if self._in_round(rec.node_id):
-            self._broken.append(f"node {rec.node_id} drained by operator")
+            self._broken.append(f"node {rec.node_id} drained {ev.why}")
 
     def _on_cordon(self, ev: Cordon) -> None:
         rec = self._known(ev.node_id, "cordon")

@@ -161,7 +161,7 @@ def test_watch_events_become_machine_events() -> None:
         NodeRegistered("a", "a.x", 2), ProgressReport("a", 7, 5.0),
         HealthVerdict("a", Health.HEALTHY, ""), PeerReachability("a", frozenset({"b"})),
         HealthVerdict("a", Health.HEALTHY, ""),
-        NodeRegistered("z", "z.x", 2), Drain("z"), Drain("a"), Uncordon("a"), CheckpointCommitted(5),
+        NodeRegistered("z", "z.x", 2), Drain("z"), Drain("a", "by its agent"), Uncordon("a"), CheckpointCommitted(5),
         LeaseLost("z"), Uncordon("z"),
     ]
 
@@ -173,7 +173,20 @@ def test_an_agent_that_stops_draining_stays_out_while_an_operator_holds_it() -> 
         _put(KEYS.node("a"), _node("a")), _put(KEYS.cordon("a"), codec.encode_cordon("a", Hold.CORDON, "", "", 0)),
         _put(KEYS.node("a"), _node("a", draining=True)), _put(KEYS.node("a"), _node("a")),
     ])
-    assert events == [NodeRegistered("a", "a.x", 2), Cordon("a"), Drain("a")]
+    assert events == [NodeRegistered("a", "a.x", 2), Cordon("a"), Drain("a", "by its agent")]
+
+
+def test_a_drain_hold_says_who_set_it() -> None:
+    """An operator's hold reads "by operator"; the daemon's own (a straggler excluded at a
+    checkpoint) names the daemon and its reason, which becomes the round's reason."""
+    feed = Feed(KEYS)
+    feed.snapshot([], 1)
+    events = feed.convert([
+        _put(KEYS.node("a"), _node("a")), _put(KEYS.node("b"), _node("b")),
+        _put(KEYS.cordon("a"), codec.encode_cordon("a", Hold.DRAIN, "maintenance", "alice", 0)),
+        _put(KEYS.cordon("b"), codec.encode_cordon("b", Hold.DRAIN, "straggler: busy 0.06 s/step", "daemon d0", 0)),
+    ])
+    assert events[2:] == [Drain("a", "by operator"), Drain("b", "by daemon d0 (straggler: busy 0.06 s/step)")]
 
 
 # --- restore on take-over -----------------------------------------------------------------------

@@ -385,10 +385,13 @@ def test_quarantined_member_leaves_round_and_survives_reregistration() -> None:
 
 def test_drain_member_opens_round_without_it() -> None:
     sim = Sim()
-    sim.start("a", "b", "c")
+    sim.start("a", "b", "c", "d")
     opened = only_round(sim.send(Drain("b"), 1.0))
-    assert ids(opened) == ["a", "c"]
+    assert ids(opened) == ["a", "c", "d"]
     assert sim.state_of("b") is NodeState.DRAINED
+    assert "node b drained by operator" in opened.reason
+    opened = only_round(sim.send(Drain("c", "by daemon d0 (straggler)"), 1.0))
+    assert ids(opened) == ["a", "d"] and "node c drained by daemon d0 (straggler)" in opened.reason
 
 
 def test_cordoned_member_stays_until_world_changes_and_uncordon_lets_it_regrow() -> None:
