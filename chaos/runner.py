@@ -45,6 +45,7 @@ class _Active:
     undo: Callable[[], None] | None = None
     undone_at: float | None = None
     moot: bool = False  # the fault changed nothing the system could see (no save while the disk was full)
+    at_step: int | None = None  # nan-loss, loss-spike: the step whose loss it replaces
 
 
 class Runner:
@@ -263,6 +264,7 @@ class _Run:
             # The scenario's step, or (timed, or already past) one far enough ahead that the
             # command reaches the trainer before that step runs.
             step = max(a.spec.at_step or 0, self._last_step() + TRAINING_FAULT_AHEAD)
+            a.at_step = step
             factor = a.spec.factor or 1000.0
             fault = agent_pb2.FAULT_NAN_LOSS if kind == "nan-loss" else agent_pb2.FAULT_LOSS_SPIKE
             reply = c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(
@@ -356,7 +358,13 @@ class _Run:
                     self.notes.append(f"fill-disk at {r.injected_at:.1f} s had no effect: no save while full")
                 continue
             if r.kind in TRAINING_FAULTS:
-                # Detected when the trainer rolls back; resumed at the first step after that.
+                # The fault happens when its step runs (it was sent a few steps ahead): from the
+                # previous step's record on. Detected when the trainer rolls back; resumed at the
+                # first step after that.
+                if r.detected_at is None and a.at_step is not None:
+                    started = self._step_started(a.at_step, r.injected_at)
+                    if started is not None:
+                        r.injected_at, a.at_step = started, None
                 if r.detected_at is None:
                     r.detected_at = self._first_event_after("rollback", r.injected_at)
                 if r.detected_at is not None and r.resumed_at is None:
@@ -409,6 +417,17 @@ class _Run:
         except Exception:  # etcd between members: next time
             return set()
         return {st.node_id for st in status.stragglers} if status is not None else set()
+
+    def _step_started(self, step: int, since: float) -> float | None:
+        """When ``step`` began after ``since``: the record of the step before it (None: not run yet)."""
+        after = [e for e in self.events if float(e["t"]) - self.t0 >= since]  # type: ignore[arg-type]
+        at = next((i for i, e in enumerate(after) if e.get("event") in ("step", "fault") and e.get("step") == step),
+                  None)
+        if at is None:
+            return None
+        before = [float(e["t"]) - self.t0 for e in after[:at]  # type: ignore[arg-type]
+                  if e.get("event") == "step" and e.get("step") == step - 1]
+        return before[-1] if before else since
 
     def _first_event_after(self, kind: str, t: float) -> float | None:
         times = [float(e["t"]) - self.t0 for e in self.events if e.get("event") == kind]  # type: ignore[arg-type]
