@@ -137,7 +137,7 @@ class LocalCluster:
                 "--global-batch", str(j.global_batch), "--micro-batch", str(j.micro_batch),
                 "--dataset-len", str(j.samples), "--zero-stage", str(j.zero_stage),
                 "--save-every", str(j.checkpoint_every), "--steps-log", str(self.steps_log),
-                "--step-sleep", str(j.step_time), "--dropout", "0"]
+                "--step-sleep", str(j.step_time), "--dropout", "0", "--max-rollbacks", str(j.max_rollbacks)]
 
     def start_agent(self, node: str) -> None:
         c = self.scenario.cluster

@@ -31,6 +31,7 @@ LOSS_RTOL = 1e-4  # a different world size sums the same samples in another orde
 TRAINING_FAULTS = ("nan-loss", "loss-spike")
 TRAINING_FAULT_LEAD = 6  # steps before its at_step that a NaN or a spike is sent to the agent
 TRAINING_FAULT_AHEAD = 3  # it never names a step closer than this to the last step seen
+GAVE_UP_WAIT_S = 20.0  # after the trainer gave up, how long the run waits for the daemon to close the job
 APPLY_RETRY_S = 10.0  # a fault that cannot be applied is tried again (once a second) this long
 RECOVER_AFTER = 4.0  # seconds until a killed agent, daemon or etcd member is started again
 
@@ -113,6 +114,7 @@ class _Run:
         try:
             self.cluster.start()
             last_line = 0.0
+            gave_up_at = 0.0
             while self.now() < self.timeout:
                 self._read_record()
                 self._watch_round()
@@ -129,6 +131,15 @@ class _Run:
                     pending.clear()
                 if self._finished() and all(a.undo is None for a in self.faults):
                     break
+                gave_up = next((e for e in self.events if e.get("event") == "gave_up"), None)
+                if gave_up is not None:  # exit status 3: the daemon closes the job, nothing restarts it
+                    gave_up_at = gave_up_at or self.now()
+                    closed = bool(self.rounds) and self.rounds[-1].world_size == 0
+                    if closed or self.now() - gave_up_at > GAVE_UP_WAIT_S:
+                        late = "" if closed else f"; the daemon did not close it in {GAVE_UP_WAIT_S:g} s"
+                        why = f"step {gave_up.get('step')}: {gave_up.get('reason')}{late}"
+                        self.notes.append(f"the job gave up at {why}")
+                        break  # the cluster's teardown undoes what faults are still in place
                 time.sleep(0.1)
             else:
                 self.notes.append(f"timed out after {self.timeout:g} s")

@@ -79,6 +79,7 @@ class JobSpec:
     step_time: float = 0.0  # extra seconds per step, to make a tiny model's steps visible
     samples: int = 100_000
     script: str = "examples/train_gpt.py"
+    max_rollbacks: int = 3  # training-health rollbacks allowed within 1,000 steps before the job gives up
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ def _validate(s: Scenario) -> None:
         (j.steps >= 1, "job.steps", "must be >= 1"),
         (j.checkpoint_every >= 1, "job.checkpoint_every", "must be >= 1"),
         (j.zero_stage in (0, 1, 2, 3), "job.zero_stage", "must be 0, 1, 2 or 3"),
+        (j.max_rollbacks >= 0, "job.max_rollbacks", "must be >= 0"),
     ]
     for ok, name, why in checks:
         if not ok:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from stalwart.chaos.netns import unavailable_reason
 from stalwart.chaos.report import RunReport, write
 from stalwart.chaos.runner import Runner
-from stalwart.chaos.scenario import load
+from stalwart.chaos.scenario import FaultSpec, load
 from stalwart.trainer import read_events
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "chaos" / "scenarios"
@@ -59,6 +60,24 @@ def test_training_health_scenario_rolls_back_nan_and_spike_and_excludes_a_2x_str
     assert "straggler" in excluded.reason and excluded.world_size == 2
     slow = next(f for f in report.faults if f.kind == "slow-worker")
     assert slow.detected_at is not None and slow.detected_at <= excluded.t
+
+
+@pytest.mark.timeout(300)
+def test_a_job_past_its_rollback_limit_gives_up_and_the_run_says_why(tmp_path: Path) -> None:
+    """With max_rollbacks = 1, a second NaN within the window stops the job (exit status 3); the
+    daemon closes it, and the run ends at once with a failed report saying why (not a timeout)."""
+    base = load(SCENARIOS / "training-health.toml")
+    scenario = replace(base, cluster=replace(base.cluster, exclude_stragglers=False),
+                       job=replace(base.job, steps=80, max_rollbacks=1),
+                       faults=(FaultSpec("nan-loss", at_step=25, node="node0"),
+                               FaultSpec("nan-loss", at_step=28, node="node1")))
+    report = Runner(scenario, tmp_path / "work", progress=lambda line: None, timeout=240, reference=False).run()
+    assert not report.passed and not report.checks["reached the last step"]
+    assert report.rollbacks == 1
+    [note] = [n for n in report.notes if "gave up" in n]
+    assert "the job gave up at step 28" in note and "more than the 1 rollbacks allowed" in note, note
+    assert report.wall_s < 120, report.notes
+    assert any(r.reason.startswith("the job gave up") for r in report.rounds), report.rounds
 
 
 @pytest.mark.slow
