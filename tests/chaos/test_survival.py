@@ -76,7 +76,7 @@ def test_a_job_past_its_rollback_limit_gives_up_and_the_run_says_why(tmp_path: P
     assert report.rollbacks == 1
     [note] = [n for n in report.notes if "gave up" in n]
     assert "the job gave up at step 28" in note and "more than the 1 rollbacks allowed" in note, note
-    assert report.wall_s < 120, report.notes
+    assert not any("timed out" in n for n in report.notes), report.notes  # ended by the give-up, not the timeout
     assert any(r.reason.startswith("the job gave up") for r in report.rounds), report.rounds
 
 
