@@ -150,6 +150,19 @@ def assert_same_as_restart(job: Harness, dumper: str, ref: Harness) -> None:
         n: t.shape for n, t in theirs.tensors.items()}
 
 
+def start_three(jobs: list[Harness], env: dict[str, str], tmp_path: Path, collective_timeout: float, odd_rank: int,
+                odd_args: tuple[str, ...]) -> tuple[Harness, int]:
+    """A world of 3 with this collective timeout, ``odd_rank`` also given ``odd_args``; the job and
+    a free port for the next world."""
+    job = Harness(tmp_path, env)
+    jobs.append(job)
+    port, new_port = free_port(), free_port()
+    extra = ("--collective-timeout", str(collective_timeout))
+    for r in range(3):
+        job.start(f"w{r}", rank=r, world=3, port=port, extra=(*extra, *odd_args) if r == odd_rank else extra)
+    return job, new_port
+
+
 def print_timings(what: str, kill_time: float, results: dict[str, dict[str, Any]]) -> None:
     for name, res in sorted(results.items()):
         for t in res.get("reforms", []):
@@ -214,13 +227,7 @@ def test_a_warm_spare_takes_the_dead_rank_2_to_2_and_matches_a_restart_bitwise(
 def test_a_survivor_of_a_sigstopped_peer_is_out_within_the_collective_timeout(
         ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness]) -> None:
     timeout = 4.0
-    job = Harness(tmp_path, ds_env)
-    jobs.append(job)
-    port, new_port = free_port(), free_port()
-    extra = ("--collective-timeout", str(timeout))
-    for r in range(3):
-        job.start(f"w{r}", rank=r, world=3, port=port,
-                  extra=(*extra, "--stop-at-step", str(KILL_AT)) if r == 2 else extra)
+    job, new_port = start_three(jobs, ds_env, tmp_path, timeout, 2, ("--stop-at-step", str(KILL_AT)))
     stopped = job.wait_marker("w2", "stopped")
     # The agent's Reform is already there: what bounds the survivors is gloo's timeout.
     job.reform("w0", rank=0, world=2, port=new_port, round=1)
@@ -270,12 +277,7 @@ def test_a_rank_that_leaves_a_broken_world_cuts_its_connections_so_its_peers_are
     them; w1 cutting its old world's connections makes their receives fail at once instead of at
     the collective timeout (60 s here)."""
     timeout = 60.0
-    job = Harness(tmp_path, ds_env)
-    jobs.append(job)
-    port, new_port = free_port(), free_port()
-    extra = ("--collective-timeout", str(timeout))
-    for r in range(3):
-        job.start(f"w{r}", rank=r, world=3, port=port, extra=(*extra, "--fail-at-step", "5") if r == 1 else extra)
+    job, new_port = start_three(jobs, ds_env, tmp_path, timeout, 1, ("--fail-at-step", "5"))
     failed = job.wait_marker("w1", "failed")
     for r in range(3):
         job.reform(f"w{r}", rank=r, world=3, port=new_port, round=1)
