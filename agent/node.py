@@ -42,6 +42,7 @@ from stalwart.agent.service import (FaultRefused, HelloEvent, StepEvent, WorkerC
                                     start_node_server, start_progress_server)
 from stalwart.agent.spares import SparePool
 from stalwart.agent.stall import StallDetector, StallPolicy
+from stalwart.agent.stragglers import slower_than_others
 from stalwart.agent.throttle import Throttle, ThrottleSpec
 from stalwart.agent.workers import (ExitKind, RoundAssignment, Worker, WorkerExit, WorkerGroup, start_spare,
                                     stop_workers)
@@ -50,7 +51,6 @@ from stalwart.coord.errors import CoordError
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.lease import Lease
 from stalwart.coord.watch import EventType, Watch
-from stalwart.daemon.stragglers import slower_than_others
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
 
 log = logging.getLogger(__name__)

@@ -11,30 +11,10 @@ Comparing with the others' median, not the overall one, keeps a two-node world d
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
-__all__ = ["StragglerDetector", "StragglerPolicy", "Verdict", "slower_than_others"]
-
-K = TypeVar("K")
-
-
-def slower_than_others(busy: Mapping[K, float], factor: float) -> list[K]:
-    """Keys whose value exceeds ``factor`` × the median of the other keys' values.
-
-    Values that are not positive (unknown) are left out on both sides; with fewer than two
-    known values nothing can be compared and the answer is empty.
-    """
-    known = {k: v for k, v in busy.items() if v > 0}
-    if len(known) < 2:
-        return []
-    out = []
-    for key, value in known.items():
-        others = [v for k, v in known.items() if k != key]
-        if value > factor * statistics.median(others):
-            out.append(key)
-    return out
+__all__ = ["ExclusionPlan", "StragglerDetector", "StragglerPolicy", "Verdict"]
 
 
 @dataclass(frozen=True)
