@@ -52,9 +52,9 @@ from stalwart.coord.keys import JobKeys
 from stalwart.coord.lease import Lease
 from stalwart.coord.watch import EventType, Watch
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+from stalwart.proto.contract import ENV_SOCKET
 
 log = logging.getLogger(__name__)
-ENV_SOCKET = "STALWART_AGENT_SOCKET"
 
 
 @dataclass

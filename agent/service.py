@@ -21,6 +21,7 @@ import grpc
 
 from stalwart.agent.config import AgentConfig, AgentConfigError
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+from stalwart.proto.contract import SOCKET_DIR_MODE, SOCKET_MODE, socket_target
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,7 @@ def start_progress_server(path: Path, core: AgentCore, channels: WorkerChannels 
     the node can report progress or read it.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
+    os.chmod(path.parent, SOCKET_DIR_MODE)
     if path.exists() or path.is_socket():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise AgentConfigError(f"agent config: progress_socket: {path} exists and is not a socket")
@@ -328,12 +329,12 @@ def start_progress_server(path: Path, core: AgentCore, channels: WorkerChannels 
     agent_pb2_grpc.add_ProgressServicer_to_server(ProgressServicer(core, channels), server)
     old = os.umask(0o177)
     try:
-        if server.add_insecure_port(f"unix:{path}") == 0:
+        if server.add_insecure_port(socket_target(str(path))) == 0:
             raise AgentConfigError(f"agent config: progress_socket: cannot bind {path}")
         server.start()
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    os.chmod(path, SOCKET_MODE)
     return server
 
 

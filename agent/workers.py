@@ -21,13 +21,12 @@ from enum import Enum
 from pathlib import Path
 
 from stalwart.coord.local import die_with_parent
+from stalwart.proto.contract import ENV_RESTORE_STEP, ENV_ROUND, ENV_SPARE, EXIT_DIVERGED
 
 log = logging.getLogger(__name__)
 
-# The trainer's exit status when it stops on repeated training-health faults (NaN or spiking
-# loss): the job gave up and must not be restarted. Same value as ``stalwart.trainer.EXIT_DIVERGED``
-# (defined there; kept here too so the agent does not import the trainer and its torch).
-EXIT_DIVERGED = 3
+# EXIT_DIVERGED (stalwart.proto.contract): the trainer stopped on repeated training-health faults
+# (NaN or spiking loss); the job gave up and must not be restarted.
 
 
 class ExitKind(Enum):
@@ -82,10 +81,10 @@ class RoundAssignment:
             "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
             "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_RUN_ID": "",
-            "STALWART_ROUND": str(self.round),
+            ENV_ROUND: str(self.round),
         }
         if self.restore_step is not None:
-            env["STALWART_RESTORE_STEP"] = str(self.restore_step)
+            env[ENV_RESTORE_STEP] = str(self.restore_step)
         return env
 
 
@@ -124,9 +123,8 @@ def classify(returncode: int, stopping: bool, oom_before: int) -> tuple[ExitKind
 
 # torchrun's per-rank variables: a warm spare has no rank yet, so it must not inherit any.
 _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-             "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "STALWART_ROUND", "STALWART_RESTORE_STEP",
+             "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", ENV_ROUND, ENV_RESTORE_STEP,
              "TORCHELASTIC_RESTART_COUNT")
-ENV_SPARE = "STALWART_SPARE"  # same value as stalwart.trainer.reform.ENV_SPARE (no trainer import here)
 
 
 class Worker:

@@ -11,9 +11,11 @@ exit with :data:`EXIT_DIVERGED`.
 import importlib
 from typing import Any
 
-EXIT_DIVERGED = 3
-"""Exit status of a training script stopped by :class:`TrainingDiverged` (a crash is 1, a
-SIGTERM with its final checkpoint 0): restarting the same job will not help."""
+from stalwart.proto.contract import EXIT_DIVERGED as EXIT_DIVERGED
+
+# EXIT_DIVERGED: exit status of a training script stopped by :class:`TrainingDiverged` (a crash
+# is 1, a SIGTERM with its final checkpoint 0): restarting the same job will not help. Defined in
+# the agent-trainer contract, since the agent reads it.
 
 # Names are imported on first use: ``stalwart.trainer.agent_client`` (used by any training
 # process, DeepSpeed or not) must not pay for importing DeepSpeed through this package.

@@ -35,11 +35,10 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from stalwart.proto import agent_pb2, agent_pb2_grpc
+from stalwart.proto.contract import ENV_COLLECTIVE_TIMER, ENV_ROUND, ENV_SOCKET, socket_target
 from stalwart.trainer.reform import ReformSpec, is_spare
 
 log = logging.getLogger(__name__)
-ENV_SOCKET = "STALWART_AGENT_SOCKET"
-ENV_COLLECTIVE_TIMER = "STALWART_COLLECTIVE_TIMER"
 _END = object()
 
 FaultHandler = Callable[[str, int, float], None]
@@ -69,7 +68,7 @@ class AgentClient:
         self.spare = is_spare() if spare is None else spare
         self.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
         self.local_rank = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
-        self.round = round_number if round_number is not None else int(os.environ.get("STALWART_ROUND", "0"))
+        self.round = round_number if round_number is not None else int(os.environ.get(ENV_ROUND, "0"))
         self._timer = None
         if not self.enabled:
             return
@@ -96,7 +95,7 @@ class AgentClient:
 
     def _run(self) -> None:
         try:
-            with grpc.insecure_channel(f"unix:{self.socket_path}") as channel:
+            with grpc.insecure_channel(socket_target(self.socket_path)) as channel:
                 stub = agent_pb2_grpc.ProgressStub(channel)
                 for command in stub.Connect(self._messages(), wait_for_ready=True):
                     self._command(command)

@@ -15,10 +15,10 @@ import dataclasses
 import os
 from typing import Any
 
+from stalwart.proto.contract import ENV_ROUND, ENV_SPARE
 from stalwart.trainer.world_sockets import world_sockets
 
-ENV_SPARE = "STALWART_SPARE"
-"""``1``: the worker is a warm spare; it has no rank until the agent assigns one."""
+# ENV_SPARE ``1``: the worker is a warm spare; it has no rank until the agent assigns one.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ReformSpec:
         env = dict(os.environ) if env is None else env
         return cls(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env["MASTER_PORT"]),
-                   round=int(env.get("STALWART_ROUND", "0")), local_rank=int(env.get("LOCAL_RANK", "0")))
+                   round=int(env.get(ENV_ROUND, "0")), local_rank=int(env.get("LOCAL_RANK", "0")))
 
     @classmethod
     def from_proto(cls, reform: Any, *, local_rank: int = 0) -> ReformSpec:
@@ -64,7 +64,7 @@ class ReformSpec:
         """The torchrun variables of this world (what DeepSpeed and user code read)."""
         return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
-                "STALWART_ROUND": str(self.round)}
+                ENV_ROUND: str(self.round)}
 
 
 def is_spare(env: dict[str, str] | None = None) -> bool:

@@ -78,6 +78,7 @@ from stalwart.ckpt import (
     read_manifest,
 )
 from stalwart.ckpt.storage import set_aside
+from stalwart.proto.contract import ENV_ROUND, ENV_SPARE
 from stalwart.trainer.agent_client import AgentClient
 from stalwart.trainer.batching import DataPosition, GlobalBatchSampler, StepBatch, accumulation_steps
 from stalwart.trainer.errors import (
@@ -317,7 +318,7 @@ class Trainer:
         self.config = config
         self._recipe = _recipe
         self._save_config = save_config
-        self.round = int(os.environ.get("STALWART_ROUND", "0"))
+        self.round = int(os.environ.get(ENV_ROUND, "0"))
         self.agent = agent if agent is not None else AgentClient(rank=dist.get_rank())
         self.health = HealthMonitor(config.health)
         self.ledger = RollbackLedger()
@@ -434,7 +435,7 @@ class Trainer:
             spec = source()
             log.warning("spare pid %d: assigned rank %d of %d in round %d", os.getpid(), spec.rank,
                         spec.world_size, spec.round)
-            os.environ.pop("STALWART_SPARE", None)
+            os.environ.pop(ENV_SPARE, None)
             try:
                 join_world(spec, backend=backend, collective_timeout_s=config.collective_timeout_s,
                            join_timeout_s=config.dist_timeout_s)

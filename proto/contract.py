@@ -1,0 +1,58 @@
+"""The agent ↔ trainer contract outside the gRPC messages (``agent.proto``).
+
+What a node agent and the training processes it starts agree on: the environment the agent
+sets for its workers (besides torchrun's ``RANK``, ``WORLD_SIZE``, …), the exit status a worker
+uses to give the job up, and the layout of the local progress socket. Each side imports them
+from here; neither imports the other (README, "Architecture").
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "ENV_COLLECTIVE_TIMER",
+    "ENV_RESTORE_STEP",
+    "ENV_ROUND",
+    "ENV_SOCKET",
+    "ENV_SPARE",
+    "EXIT_DIVERGED",
+    "SOCKET_DIR_MODE",
+    "SOCKET_MODE",
+    "socket_target",
+]
+
+ENV_SOCKET: Final = "STALWART_AGENT_SOCKET"
+"""Path of the agent's unix socket, the progress channel (``stalwart.v1.Progress``). Unset: the
+process runs without an agent and reports nothing."""
+
+ENV_ROUND: Final = "STALWART_ROUND"
+"""Number of the round the worker was started for (names the rendezvous keys of its world)."""
+
+ENV_RESTORE_STEP: Final = "STALWART_RESTORE_STEP"
+"""Committed checkpoint step the round restores; unset: the newest committed one."""
+
+ENV_SPARE: Final = "STALWART_SPARE"
+"""``1``: the process is a warm spare, started without a rank; it waits for the agent's
+assignment (a ``Reform``) on the progress channel."""
+
+ENV_COLLECTIVE_TIMER: Final = "STALWART_COLLECTIVE_TIMER"
+"""Unset or ``1``: the trainer times its ``torch.distributed`` collectives to report busy time;
+``0``: it does not."""
+
+EXIT_DIVERGED: Final = 3
+"""Exit status of a training script stopped by repeated training-health faults (the job gave
+up; a crash is 1, a SIGTERM with its final checkpoint 0). The agent reports it as "the job gave
+up" and the daemon closes the job instead of restarting it."""
+
+SOCKET_DIR_MODE: Final = 0o700
+"""The socket's directory: created by the agent with this mode; a group- or world-usable one is
+refused."""
+
+SOCKET_MODE: Final = 0o600
+"""The socket itself: only the agent's user may connect."""
+
+
+def socket_target(path: str) -> str:
+    """The gRPC target of the progress socket at ``path`` (the agent binds it, workers dial it)."""
+    return f"unix:{path}"
