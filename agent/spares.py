@@ -28,12 +28,14 @@ STEADY = 60.0  # a spare that lived this long before exiting resets the back-off
 @dataclass(frozen=True)
 class SpareInfo:
     pid: int
-    ready: bool
+    ready: bool  # connected to the agent
     age: float
+    warm: bool = False  # done warming up (model and engine built): it only waits for a rank
 
 
 class SparePool:
-    """Up to ``wanted`` spares; :meth:`take` hands out the oldest ready one."""
+    """Up to ``wanted`` spares; :meth:`take` hands out the oldest warm one, else the oldest
+    connected one (still warming, but further along than a new process)."""
 
     def __init__(self, wanted: int, start: Callable[[], Worker], *, node: str = "") -> None:
         self.wanted = wanted
@@ -42,6 +44,7 @@ class SparePool:
         self._lock = threading.Lock()
         self._spares: dict[int, Worker] = {}
         self._ready: set[int] = set()
+        self._warm: set[int] = set()
         self._failures = 0
         self._not_before = 0.0
         self.disabled = ""  # why no more spares are started ("" while they are)
@@ -69,6 +72,15 @@ class SparePool:
             self._ready.add(pid)
             return True
 
+    def warm(self, pid: int) -> bool:
+        """A connected spare finished warming up; False if ``pid`` is not one of ours."""
+        with self._lock:
+            if pid not in self._spares:
+                return False
+            self._ready.add(pid)
+            self._warm.add(pid)
+            return True
+
     def is_spare(self, pid: int) -> bool:
         with self._lock:
             return pid in self._spares
@@ -79,9 +91,10 @@ class SparePool:
             ready = [w for pid, w in self._spares.items() if pid in self._ready and w.running and not w.stopping]
             if not ready:
                 return None
-            worker = min(ready, key=lambda w: w.started_at)
+            worker = min(ready, key=lambda w: (w.pid not in self._warm, w.started_at))
             del self._spares[worker.pid]
             self._ready.discard(worker.pid)
+            self._warm.discard(worker.pid)
             return worker
 
     def exited(self, pid: int) -> bool:
@@ -92,6 +105,7 @@ class SparePool:
             if worker is None:
                 return False
             self._ready.discard(worker.pid)
+            self._warm.discard(worker.pid)
             if worker.stopping:
                 return False
             if now - worker.started_at >= STEADY:
@@ -107,17 +121,18 @@ class SparePool:
         """Start no more spares (the command cannot run as one); returns the spares to stop."""
         with self._lock:
             self.disabled = why
-            spares, self._spares, self._ready = list(self._spares.values()), {}, set()
+            spares, self._spares, self._ready, self._warm = list(self._spares.values()), {}, set(), set()
         log.error("agent %s: no more warm spares: %s", self._node, why, extra={"node": self._node})
         return spares
 
     def stop_all(self, grace: float) -> None:
         with self._lock:
-            spares, self._spares, self._ready = list(self._spares.values()), {}, set()
+            spares, self._spares, self._ready, self._warm = list(self._spares.values()), {}, set(), set()
         if spares:
             stop_workers(spares, grace)
 
     def status(self, now: float | None = None) -> list[SpareInfo]:
         now = time.monotonic() if now is None else now
         with self._lock:
-            return [SpareInfo(w.pid, pid in self._ready, now - w.started_at) for pid, w in sorted(self._spares.items())]
+            return [SpareInfo(w.pid, pid in self._ready, now - w.started_at, pid in self._warm)
+                    for pid, w in sorted(self._spares.items())]

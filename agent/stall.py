@@ -3,8 +3,10 @@
 A worker is stalled when no step completes within ``max(floor, factor × median recent step
 time)`` of its last one. The first step after a start gets ``first_step`` seconds instead
 (imports, process-group set-up and compilation take far longer than a step). A worker that is
-frozen (stopped by a signal or a cgroup freezer) is stalled once it has been frozen for ``floor``
-seconds, even within that allowance: a frozen process is not starting up. Pure: the caller
+frozen (stopped by a signal or a cgroup freezer) is stalled once it has been frozen for
+``frozen_after`` seconds (or three of its median step times, if longer; never more than ``floor``),
+even within that allowance: a frozen process is not starting up, and not waiting for a peer, so
+there is nothing to wait for. Pure: the caller
 passes the clock (and what it saw of the process), so every rule is tested without sleeping.
 """
 
@@ -21,9 +23,10 @@ class StallPolicy:
     factor: float = 5.0  # times the median recent step time
     first_step: float = 300.0  # seconds allowed for the first step after a (re)start
     window: int = 50  # recent step times the median is taken over
+    frozen_after: float = 1.0  # seconds a stopped process may stay stopped before it is stalled
 
     def __post_init__(self) -> None:
-        if self.floor <= 0 or self.factor < 1 or self.first_step <= 0 or self.window < 1:
+        if self.floor <= 0 or self.factor < 1 or self.first_step <= 0 or self.window < 1 or self.frozen_after <= 0:
             raise ValueError(
                 f"stall policy: need floor > 0, factor >= 1, first_step > 0, window >= 1; got {self}")
 
@@ -90,14 +93,20 @@ class StallDetector:
             return self.policy.floor
         return max(self.policy.floor, self.policy.factor * statistics.median(w.times))
 
+    def frozen_limit(self, rank: int) -> float:
+        w = self._workers[rank]
+        typical = 3.0 * statistics.median(w.times) if w.times else 0.0
+        return min(self.policy.floor, max(self.policy.frozen_after, typical))
+
     def check(self, now: float) -> list[Stall]:
         """Workers that newly stalled since the last check (each stall is reported once)."""
         stalls = []
         for rank, w in self._workers.items():
             since = w.last_step_at if w.last_step_at is not None else w.started
             limit = self.timeout(rank)
-            if w.frozen_since is not None and now - w.frozen_since > self.policy.floor:
-                since, limit = w.frozen_since, min(limit, self.policy.floor)
+            frozen_limit = self.frozen_limit(rank)
+            if w.frozen_since is not None and now - w.frozen_since > frozen_limit:
+                since, limit = w.frozen_since, min(limit, frozen_limit)
             if not w.stalled and now - since > limit:
                 w.stalled = True
                 stalls.append(Stall(rank, now - since, limit, w.last_step))

@@ -175,20 +175,22 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("rank", "local_rank", "round", "pid", "spare", "can_reform")
+    __slots__ = ("rank", "local_rank", "round", "pid", "spare", "can_reform", "warm")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
     CAN_REFORM_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     round: int
     pid: int
     spare: bool
     can_reform: bool
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., round: _Optional[int] = ..., pid: _Optional[int] = ..., spare: _Optional[bool] = ..., can_reform: _Optional[bool] = ...) -> None: ...
+    warm: bool
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., round: _Optional[int] = ..., pid: _Optional[int] = ..., spare: _Optional[bool] = ..., can_reform: _Optional[bool] = ..., warm: _Optional[bool] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("step", "step_time", "loss", "time", "busy_time")

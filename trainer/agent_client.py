@@ -65,6 +65,7 @@ class AgentClient:
         self._last_local_rank: int | None = None  # of the newest Reform: a spare learns its device from it
         self._assignments: queue.Queue[ReformSpec] = queue.Queue()
         self._assigned = False  # a spare's first assignment was handed out
+        self._said_warm = False  # a spare said it is warm (it waits for its assignment)
         self.spare = is_spare() if spare is None else spare
         self.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
         self.local_rank = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
@@ -169,6 +170,10 @@ class AgentClient:
         if not (self.enabled and self.spare):
             raise RuntimeError("wait_for_assignment: not a spare of a stalwart agent (STALWART_SPARE=1 and "
                                f"{ENV_SOCKET} are set by the agent)")
+        if not self._said_warm:
+            self._said_warm = True  # the agent admits this node to a round only once its spares are warm
+            self._put(agent_pb2.WorkerMessage(hello=agent_pb2.Hello(pid=os.getpid(), spare=True, can_reform=True,
+                                                                    warm=True)))
         try:
             spec = self._assignments.get(timeout=timeout)
         except queue.Empty:
@@ -187,6 +192,19 @@ class AgentClient:
             for newer in later:
                 self._call_reform(handler, newer)
         return spec
+
+    def has_newer_reform(self, round_number: int) -> bool:
+        """Whether a Reform for a round after ``round_number`` waits for a handler (a spare that
+        is still joining its first world learns so that round was superseded)."""
+        with self._fault_lock:
+            return any(spec.round > round_number for spec in self._pending_reforms)
+
+    def take_newer_reform(self, round_number: int) -> ReformSpec | None:
+        """The newest waiting Reform after ``round_number`` (the older ones are dropped)."""
+        with self._fault_lock:
+            newer = [spec for spec in self._pending_reforms if spec.round > round_number]
+            self._pending_reforms = [spec for spec in self._pending_reforms if spec.round <= round_number]
+        return max(newer, key=lambda spec: spec.round) if newer else None
 
     def reformed(self, round_number: int, rank: int, local_rank: int | None = None) -> None:
         """Tell the agent this worker now runs as ``rank`` in ``round_number`` (after a re-form or,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 from stalwart.proto.contract import ENV_ROUND, ENV_SPARE
@@ -151,7 +152,17 @@ def store_ports() -> set[int]:
     return ports
 
 
-def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, join_timeout_s: float) -> None:
+class JoinSuperseded(Exception):
+    """A newer round came while this process waited for its peers: join that one instead."""
+
+    def __init__(self, round: int) -> None:
+        super().__init__(f"round {round} was superseded while its peers were arriving")
+        self.round = round
+
+
+def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, join_timeout_s: float,
+               superseded: Callable[[], bool] = lambda: False,
+               on_wait: Callable[[int, int], None] | None = None) -> None:
     """Start this process's default process group as ``spec`` says, from a store of our own.
 
     Rank 0 hosts a ``TCPStore`` on the round's port (or reuses the one it hosts there already);
@@ -161,9 +172,15 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     on how long a collective waits for a hung peer. It is also made torch's default for groups
     created later without a timeout (DeepSpeed's clone of the world group, which carries ZeRO's
     gradient reductions, would otherwise wait 30 minutes).
+
+    Before the process group is made, every rank waits in an arrival barrier of its own on the
+    store, polled: gloo's rendezvous cannot be interrupted, this wait can. While peers are still
+    arriving (a joiner warming up, a survivor finishing its step) nothing times out but
+    ``join_timeout_s``; when ``superseded()`` turns true (a newer round came) the wait ends with
+    :class:`JoinSuperseded` and nothing of this round is left behind but its store keys.
+    ``on_wait(arrived, world_size)`` is called about once a second while waiting.
     """
     import datetime
-
     import importlib
 
     import deepspeed
@@ -179,12 +196,13 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     store = _hosted_stores.get(spec.master_port) if spec.rank == 0 else None
     if store is None:
         if spec.rank != 0:
-            _wait_listening(spec.master_addr, spec.master_port, join_timeout_s)
+            _wait_listening(spec.master_addr, spec.master_port, join_timeout_s, superseded, spec.round)
         store = dist.TCPStore(spec.master_addr, spec.master_port, None, spec.rank == 0,
                               timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
         if spec.rank == 0:
             _hosted_stores[spec.master_port] = store
     prefixed = dist.PrefixStore(f"round-{spec.round}/", store)
+    _arrive(prefixed, spec, join_timeout_s, superseded, on_wait)
     dist.init_process_group(backend, store=prefixed, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
     # DeepSpeed wraps the initialized torch world in a fresh backend object (``cdb``).
     ds_torch = importlib.import_module("deepspeed.comm.torch")  # ``deepspeed.comm.torch`` is torch itself
@@ -197,7 +215,66 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
         ds_torch.build_shm_op = build
 
 
-def _wait_listening(addr: str, port: int, timeout_s: float) -> None:
+def _arrive(store: Any, spec: ReformSpec, timeout_s: float, superseded: Callable[[], bool],
+            on_wait: Callable[[int, int], None] | None) -> None:
+    """Join ``spec``'s arrival roster and wait until it is full (see :func:`join_world`).
+
+    The roster is one store key holding the ranks that arrived, changed only by compare-and-swap,
+    so that arriving, leaving and completing are atomic: once the roster is full nobody can leave
+    it (every rank will call ``init_process_group``, which cannot be interrupted), and a rank that
+    is superseded before that takes its rank out again, so nobody else enters a world it will
+    never join. A superseded rank that finds the roster full joins this round anyway: its newer
+    Reform is applied at the first step boundary, like any other. A replacement of a rank whose
+    first process died after arriving finds its rank there already."""
+    import time
+
+    key = "roster"
+    roster = _roster_update(store, key, lambda ranks: ranks | {spec.rank})
+    start = last_report = time.monotonic()
+    pause = 0.002
+    while len(roster) < spec.world_size:
+        now = time.monotonic()
+        if superseded():
+            roster = _roster_update(store, key, lambda ranks: ranks - {spec.rank},
+                                    unless=lambda ranks: len(ranks) >= spec.world_size)
+            if len(roster) < spec.world_size:
+                raise JoinSuperseded(spec.round)
+            break  # it filled meanwhile: every peer is on its way into the group
+        if now - start > timeout_s:
+            missing = sorted(set(range(spec.world_size)) - roster)
+            raise TimeoutError(f"round {spec.round}: ranks {missing} did not arrive within {timeout_s:g} s")
+        if on_wait is not None and now - last_report >= 1.0:
+            last_report = now
+            on_wait(len(roster), spec.world_size)
+        time.sleep(pause)
+        pause = min(0.02, pause * 2)
+        roster = _parse_roster(store.get(key))
+
+
+def _parse_roster(raw: bytes) -> set[int]:
+    return {int(r) for r in raw.decode().split(",") if r} if raw else set()
+
+
+def _roster_update(store: Any, key: str, change: Callable[[set[int]], set[int]],
+                   unless: Callable[[set[int]], bool] = lambda _ranks: False) -> set[int]:
+    """Apply ``change`` to the roster by compare-and-swap (retried on a concurrent change), unless
+    ``unless(roster)`` holds; returns the roster after."""
+    expected = store.compare_set(key, "", "")  # the current value ("" created if missing)
+    while True:
+        ranks = _parse_roster(expected)
+        if unless(ranks):
+            return ranks
+        desired = ",".join(str(r) for r in sorted(change(ranks))).encode()
+        if desired == expected:
+            return ranks
+        got = store.compare_set(key, expected, desired)
+        if got == desired:
+            return _parse_roster(got)
+        expected = got
+
+
+def _wait_listening(addr: str, port: int, timeout_s: float, superseded: Callable[[], bool] = lambda: False,
+                    round: int = 0) -> None:
     """Poll until rank 0's store accepts connections (every 10 ms; TCPStore's own retry backs off
     to about a second, most of a re-form's time when a peer asks before the host listens)."""
     import socket
@@ -209,6 +286,8 @@ def _wait_listening(addr: str, port: int, timeout_s: float) -> None:
             with socket.create_connection((addr, port), timeout=1.0):
                 return
         except OSError:
+            if superseded():
+                raise JoinSuperseded(round) from None
             if time.monotonic() > deadline:
                 return  # TCPStore raises the error, with its own message
             time.sleep(0.01)

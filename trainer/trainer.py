@@ -101,7 +101,15 @@ from stalwart.trainer.health import (
     write_journal,
 )
 from stalwart.trainer.record import StepRecorder
-from stalwart.trainer.reform import ReformSpec, is_collective_error, is_spare, join_world, leave_world, store_ports
+from stalwart.trainer.reform import (
+    JoinSuperseded,
+    ReformSpec,
+    is_collective_error,
+    is_spare,
+    join_world,
+    leave_world,
+    store_ports,
+)
 from stalwart.trainer.world_sockets import world_sockets
 from stalwart.trainer.zero_state import ZeroState
 
@@ -436,11 +444,21 @@ class Trainer:
             log.warning("spare pid %d: assigned rank %d of %d in round %d", os.getpid(), spec.rank,
                         spec.world_size, spec.round)
             os.environ.pop(ENV_SPARE, None)
-            try:
-                join_world(spec, backend=backend, collective_timeout_s=config.collective_timeout_s,
-                           join_timeout_s=config.dist_timeout_s)
-            except Exception as exc:
-                raise ReformFailed(f"spare cannot join round {spec.round}: {exc}", round=spec.round) from exc
+            has_newer = getattr(agent, "has_newer_reform", lambda _round: False)
+            while True:
+                try:
+                    join_world(spec, backend=backend, collective_timeout_s=config.collective_timeout_s,
+                               join_timeout_s=config.dist_timeout_s,
+                               superseded=lambda r=spec.round: has_newer(r))  # type: ignore[misc]
+                    break
+                except JoinSuperseded:
+                    newer = agent.take_newer_reform(spec.round)
+                    assert newer is not None
+                    log.warning("spare pid %d: round %d superseded while joining; joining round %d as rank %d",
+                                os.getpid(), spec.round, newer.round, newer.rank)
+                    spec = newer
+                except Exception as exc:
+                    raise ReformFailed(f"spare cannot join round {spec.round}: {exc}", round=spec.round) from exc
         elif not dist.is_initialized():
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_PORT" not in os.environ:
                 world_sockets.joining()
@@ -525,7 +543,15 @@ class Trainer:
         agent (``expects_reform`` false) the collective's error itself, at once."""
         if not self.expects_reform and not self._reform_event.is_set():
             raise cause
-        if not self._reform_event.wait(self.config.reform_wait_s):
+        deadline = time.monotonic() + self.config.reform_wait_s
+        while not self._reform_event.wait(0.05) and time.monotonic() < deadline:
+            if self._sigterm:
+                # Stopped while its world is broken: there is nothing to save (the peers are gone),
+                # and waiting for the agent's kill would hold its main loop up.
+                log.warning("rank %d round %d step %d: SIGTERM while waiting for a Reform: exiting", self.rank,
+                            self.round, self.step)
+                raise SystemExit(0)
+        if not self._reform_event.is_set():
             raise ReformFailed(
                 f"rank {self.rank} round {self.round} step {self.step}: a collective failed ({cause}) and no "
                 f"Reform arrived within {self.config.reform_wait_s:g}s", round=self.round,
@@ -602,10 +628,7 @@ class Trainer:
         self._left_world.clear()
         if self.cannot_reform is not None:
             raise ReformFailed(self.cannot_reform, round=spec.round)
-        try:
-            accumulation_steps(self.config.global_batch, self.config.micro_batch, spec.world_size)
-        except TrainerError as exc:  # before joining: the peers would wait for this rank in vain
-            raise ReformFailed(f"cannot re-form into round {spec.round}: {exc}", round=spec.round) from exc
+        self._check_world(spec)
         log.warning("rank %d round %d step %d: re-forming as rank %d of %d (round %d, master %s:%d, cause %s)",
                     self.rank, self.round, self.step, spec.rank, spec.world_size, spec.round, spec.master_addr,
                     spec.master_port, cause)
@@ -613,8 +636,8 @@ class Trainer:
         self._leave()
         timing.left_at = time.time()
         try:
-            join_world(spec, backend=backend_for_device(), collective_timeout_s=self.config.collective_timeout_s,
-                       join_timeout_s=self.config.dist_timeout_s)
+            spec = self._join_newest(spec)
+            timing.round, timing.world_size, timing.rank = spec.round, spec.world_size, spec.rank
             timing.group_up_at = time.time()
             engine = self._recipe.build(self.config, spec.world_size)
             timing.engine_built_at = time.time()
@@ -644,6 +667,33 @@ class Trainer:
                             timings=timing.to_json())
         self._tell_agent(spec.local_rank)
         return timing
+
+    def _join_newest(self, spec: ReformSpec) -> ReformSpec:
+        """Join ``spec``'s world, or a newer one that the agent sends while its peers are still
+        arriving (the round was superseded: nobody will complete it). Returns the spec joined."""
+        while True:
+            try:
+                join_world(spec, backend=backend_for_device(), collective_timeout_s=self.config.collective_timeout_s,
+                           join_timeout_s=self.config.dist_timeout_s,
+                           superseded=lambda r=spec.round: self._newer_reform(r))  # type: ignore[misc]
+                return spec
+            except JoinSuperseded:
+                newer = self._take_reform()
+                assert newer is not None
+                log.warning("rank %d: round %d superseded while joining; joining round %d as rank %d of %d",
+                            spec.rank, spec.round, newer.round, newer.rank, newer.world_size)
+                self._check_world(newer)
+                spec = newer
+
+    def _check_world(self, spec: ReformSpec) -> None:
+        try:
+            accumulation_steps(self.config.global_batch, self.config.micro_batch, spec.world_size)
+        except TrainerError as exc:  # before joining: the peers would wait for this rank in vain
+            raise ReformFailed(f"cannot re-form into round {spec.round}: {exc}", round=spec.round) from exc
+
+    def _newer_reform(self, round_number: int) -> bool:
+        with self._reform_lock:
+            return self._reform_spec is not None and self._reform_spec.round > round_number
 
     def _leave(self) -> None:
         """Drop everything of the old world; never raises (the old world may be broken)."""

@@ -1,0 +1,141 @@
+"""The agent's membership decisions as pure functions: facts in, a decision with its reason out.
+
+The node agent (``node.py``) gathers the facts — process states, connections, stall verdicts,
+spares, the round — and applies what these functions decide. Nothing here reads a clock, a
+process table or etcd, so every rule is tested with plain values.
+
+The rules follow one principle: **an agent acts only on local facts about its own processes**.
+It never kills a healthy worker because some other process is slow; who belongs to the world is
+the daemon's decision alone.
+
+- **Keep or replace at a new round** (:func:`keep_verdict`): a worker is kept (sent a Reform) when
+  its process runs, is connected and can re-form. A stalled worker whose process is running is
+  kept too: it is most likely blocked in a collective with the rank that really hung, which is
+  stopped, or dead, and is replaced.
+- **A re-form that takes long** (:func:`overdue_reform`): a worker told to re-form that has not
+  acknowledged after ``reform_timeout`` is killed only if its process is stopped or has lost its
+  channel to the agent; one that is running and connected is waiting for its peers (a joiner
+  still warming up, a survivor finishing its step), so it waits on. A newer round supersedes the
+  re-form; the trainer's own join deadline is the last backstop.
+- **When spares start** (:func:`spares_may_start`): not while a worker of this node is still
+  starting or re-forming (before its first step of the round): on a node's few CPU cores a spare
+  importing torch beside it only slows the step the whole world waits for. A node warming to
+  join, or replacing a lost worker, starts them at once.
+- **Ready to join** (:func:`join_readiness`): a node outside the current round asks to be left
+  out (its health record says ``replacing``) until it has a warm spare for each of its workers,
+  so the daemon admits it only once it can join without making the world wait for a cold start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ProcState(Enum):
+    RUNNING = "running"  # running or sleeping: it can still act
+    STOPPED = "stopped"  # SIGSTOP, a cgroup freezer
+    EXITED = "exited"  # zombie, dead, or gone
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    """What the agent knows of one of its workers when a new round comes."""
+
+    running: bool  # the agent's own view: started and not yet reaped
+    stopping: bool  # the agent already began stopping it
+    local_rank: int
+    connected: bool  # its progress stream to the agent is open
+    reforming: bool  # it was told to re-form and keeps its spare stream until it acknowledges
+    stalled: bool  # the stall detector declared it stalled, with no step since
+    proc: ProcState
+    can_reform: bool  # its Hello said it handles Reform
+
+
+@dataclass(frozen=True)
+class Verdict:
+    keep: bool
+    why: str = ""
+    unhealthy: bool = False  # killed at once rather than given its SIGTERM grace
+
+
+KEEP = Verdict(True)
+
+
+def keep_verdict(w: WorkerFacts, local_world_size: int) -> Verdict:
+    """Whether ``w`` keeps its process in the new round (see the module docstring)."""
+    if not w.running or w.stopping:
+        return Verdict(False, "not running", True)
+    if w.local_rank >= local_world_size:
+        return Verdict(False, f"local rank {w.local_rank} is not in the new round")
+    if not w.connected and not w.reforming:
+        return Verdict(False, "not connected to the agent", True)
+    if w.proc is ProcState.EXITED:
+        return Verdict(False, "exited", True)
+    if w.proc is ProcState.STOPPED:
+        return Verdict(False, "stopped (SIGSTOP)" + (", stalled" if w.stalled else ""), True)
+    if not w.can_reform and not w.reforming:
+        return Verdict(False, "cannot re-form in place (no re-form handler)")
+    return KEEP
+
+
+@dataclass(frozen=True)
+class Overdue:
+    kill: bool
+    why: str
+
+
+def overdue_reform(proc: ProcState, connected: bool, waited: float) -> Overdue:
+    """What to do with a worker whose re-form is not acknowledged ``waited`` seconds after the
+    Reform was sent and past ``reform_timeout`` (see the module docstring)."""
+    if proc is ProcState.EXITED:
+        return Overdue(False, "exited (its exit is handled as such)")
+    if proc is ProcState.STOPPED:
+        return Overdue(True, f"stopped (SIGSTOP) and not re-formed after {waited:.1f} s")
+    if not connected:
+        return Overdue(True, f"lost its channel to the agent and not re-formed after {waited:.1f} s")
+    return Overdue(False, f"running and connected, still joining after {waited:.1f} s: waiting for its peers")
+
+
+@dataclass(frozen=True)
+class JoinFacts:
+    """What decides whether this node may be taken into a round now."""
+
+    in_round: bool  # the current open round names this node
+    round_open: bool  # there is a current round and it is not closed
+    workers: int  # local workers a round gives this node
+    ready_spares: int
+    spares_disabled: bool  # the command cannot run as a spare
+    reform_in_place: bool
+    warming_for: float | None  # seconds since this node began warming spares to join; None: not
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    why: str
+
+
+def join_readiness(f: JoinFacts, replace_timeout: float) -> Readiness:
+    """Whether a node outside the round is ready to be admitted (see the module docstring).
+
+    A node inside the round, or with no round to join (the first round, or one that closed for
+    want of nodes), is always ready: there is no training world to keep waiting."""
+    if f.in_round or not f.round_open:
+        return Readiness(True, "in the round" if f.in_round else "no open round to join")
+    if not f.reform_in_place:
+        return Readiness(True, "joins by restarting every worker (reform_in_place = false)")
+    if f.spares_disabled:
+        return Readiness(True, "the command cannot run warm spares")
+    if f.ready_spares >= f.workers:
+        return Readiness(True, f"{f.ready_spares} warm spare(s) ready")
+    if f.warming_for is not None and f.warming_for > replace_timeout:
+        return Readiness(True, f"no warm spares within replace_timeout={replace_timeout:g} s: joining cold")
+    return Readiness(False, f"warming: {f.ready_spares} of {f.workers} spare(s) ready")
+
+
+def spares_may_start(*, warming: bool, replacing: bool, workers: int, stepped: int) -> bool:
+    """Whether the spare pool may start processes now (see the module docstring). ``workers``:
+    this node's workers in the current round (0: none); ``stepped``: how many of them reported a
+    step in it."""
+    return warming or replacing or workers == 0 or stepped >= workers

@@ -1,0 +1,103 @@
+"""The agent's pure membership decisions (agent/core.py): no etcd, gRPC or processes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from stalwart.agent.core import (
+    JoinFacts,
+    ProcState,
+    WorkerFacts,
+    join_readiness,
+    keep_verdict,
+    overdue_reform,
+)
+
+HEALTHY = WorkerFacts(running=True, stopping=False, local_rank=0, connected=True, reforming=False, stalled=False,
+                      proc=ProcState.RUNNING, can_reform=True)
+
+
+def test_a_healthy_worker_is_kept() -> None:
+    assert keep_verdict(HEALTHY, local_world_size=1).keep
+
+
+def test_a_stalled_worker_whose_process_runs_is_kept_it_waits_for_the_rank_that_hung() -> None:
+    # The survivor blocked in a collective with a SIGSTOPped peer: its agent saw no step for the
+    # stall timeout, but the culprit is the stopped process on the other node.
+    verdict = keep_verdict(dataclasses.replace(HEALTHY, stalled=True), local_world_size=1)
+    assert verdict.keep
+
+
+def test_a_stopped_worker_is_replaced_at_once() -> None:
+    verdict = keep_verdict(dataclasses.replace(HEALTHY, stalled=True, proc=ProcState.STOPPED), local_world_size=1)
+    assert not verdict.keep and verdict.unhealthy and "SIGSTOP" in verdict.why
+
+
+@pytest.mark.parametrize(("change", "why", "unhealthy"), [
+    ({"running": False}, "not running", True),
+    ({"stopping": True}, "not running", True),
+    ({"local_rank": 1}, "local rank 1 is not in the new round", False),
+    ({"connected": False}, "not connected", True),
+    ({"proc": ProcState.EXITED}, "exited", True),
+    ({"can_reform": False}, "cannot re-form in place", False),
+])
+def test_workers_that_cannot_be_kept_say_why(change: dict[str, object], why: str, unhealthy: bool) -> None:
+    verdict = keep_verdict(dataclasses.replace(HEALTHY, **change), local_world_size=1)  # type: ignore[arg-type]
+    assert not verdict.keep and why in verdict.why and verdict.unhealthy is unhealthy
+
+
+def test_a_spare_still_acknowledging_an_earlier_reform_is_kept_though_its_worker_stream_is_not_open() -> None:
+    facts = dataclasses.replace(HEALTHY, connected=False, reforming=True, can_reform=False)
+    assert keep_verdict(facts, local_world_size=1).keep
+
+
+def test_an_overdue_reform_of_a_running_connected_worker_waits_it_is_not_killed() -> None:
+    # The cascade: survivors waiting for a cold joiner were killed after a fixed 10 s.
+    overdue = overdue_reform(ProcState.RUNNING, connected=True, waited=25.0)
+    assert not overdue.kill and "waiting for its peers" in overdue.why
+
+
+@pytest.mark.parametrize(("proc", "connected", "kill", "why"), [
+    (ProcState.STOPPED, True, True, "stopped"),
+    (ProcState.RUNNING, False, True, "lost its channel"),
+    (ProcState.EXITED, True, False, "exited"),
+])
+def test_an_overdue_reform_kills_only_on_local_facts(proc: ProcState, connected: bool, kill: bool, why: str) -> None:
+    overdue = overdue_reform(proc, connected=connected, waited=11.0)
+    assert overdue.kill is kill and why in overdue.why
+
+
+OUTSIDE = JoinFacts(in_round=False, round_open=True, workers=2, ready_spares=0, spares_disabled=False,
+                    reform_in_place=True, warming_for=None)
+
+
+def test_a_node_outside_an_open_round_is_not_ready_until_a_spare_per_worker_is_warm() -> None:
+    assert not join_readiness(OUTSIDE, replace_timeout=300).ready
+    one = join_readiness(dataclasses.replace(OUTSIDE, ready_spares=1, warming_for=5.0), replace_timeout=300)
+    assert not one.ready and "1 of 2" in one.why
+    assert join_readiness(dataclasses.replace(OUTSIDE, ready_spares=2, warming_for=9.0), replace_timeout=300).ready
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"in_round": True}, "in the round"),
+    ({"round_open": False}, "no open round"),
+    ({"reform_in_place": False}, "reform_in_place = false"),
+    ({"spares_disabled": True}, "cannot run warm spares"),
+    ({"warming_for": 301.0}, "joining cold"),
+])
+def test_a_node_is_ready_when_there_is_nothing_to_warm_or_no_point_waiting(change: dict[str, object],
+                                                                           why: str) -> None:
+    readiness = join_readiness(dataclasses.replace(OUTSIDE, **change), replace_timeout=300)  # type: ignore[arg-type]
+    assert readiness.ready and why in readiness.why
+
+
+def test_spares_wait_for_the_rounds_first_step_unless_the_node_needs_them_now() -> None:
+    from stalwart.agent.core import spares_may_start
+
+    assert not spares_may_start(warming=False, replacing=False, workers=2, stepped=1)
+    assert spares_may_start(warming=False, replacing=False, workers=2, stepped=2)
+    assert spares_may_start(warming=False, replacing=False, workers=0, stepped=0)
+    assert spares_may_start(warming=True, replacing=False, workers=2, stepped=0)
+    assert spares_may_start(warming=False, replacing=True, workers=2, stepped=0)

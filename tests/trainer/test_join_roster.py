@@ -1,0 +1,86 @@
+"""The arrival roster every rank passes before ``init_process_group`` (trainer/reform.py): a
+superseded round is left without stranding a peer inside gloo's uninterruptible rendezvous."""
+
+from __future__ import annotations
+
+import threading
+
+import torch.distributed as dist
+
+from stalwart.trainer.reform import JoinSuperseded, ReformSpec, _arrive
+
+
+def _spec(rank: int, world: int, round_: int = 5) -> ReformSpec:
+    return ReformSpec(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=29500, round=round_)
+
+
+def _run(store: dist.Store, spec: ReformSpec, superseded: threading.Event, out: dict[int, object]) -> None:
+    try:
+        _arrive(store, spec, 30.0, superseded.is_set, None)
+        out[spec.rank] = "joined"
+    except JoinSuperseded as exc:
+        out[spec.rank] = exc
+
+
+def test_every_rank_passes_once_all_arrived() -> None:
+    store, never, out = dist.HashStore(), threading.Event(), {}
+    threads = [threading.Thread(target=_run, args=(store, _spec(r, 3), never, out)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {0: "joined", 1: "joined", 2: "joined"}
+
+
+def test_a_superseded_rank_takes_itself_off_so_a_late_peer_does_not_enter_the_group_alone() -> None:
+    store, out = dist.HashStore(), {}
+    gone = threading.Event()
+    gone.set()  # a newer round came while rank 0 waited for rank 1
+    _run(store, _spec(0, 2), gone, out)
+    assert isinstance(out[0], JoinSuperseded)
+    # Rank 1 arrives late: the roster holds only itself, so it keeps waiting (until superseded
+    # too) instead of entering init_process_group for a world rank 0 will never join.
+    late_superseded = threading.Event()
+    t = threading.Thread(target=_run, args=(store, _spec(1, 2), late_superseded, out))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and 1 not in out
+    late_superseded.set()
+    t.join(30)
+    assert isinstance(out[1], JoinSuperseded)
+    assert store.get("roster") == b""
+
+
+def test_a_rank_superseded_after_the_roster_filled_joins_anyway() -> None:
+    store, out = dist.HashStore(), {}
+    never = threading.Event()
+    first = threading.Thread(target=_run, args=(store, _spec(1, 2), never, out))
+    first.start()
+    while store.compare_set("roster", "", "") != b"1":
+        pass
+    gone = threading.Event()
+    gone.set()
+    _run(store, _spec(0, 2), gone, out)  # it fills the roster itself, then sees the newer round
+    first.join(30)
+    assert out == {0: "joined", 1: "joined"}
+
+
+def test_a_replacement_of_a_rank_that_died_after_arriving_is_not_counted_twice() -> None:
+    store, never, out = dist.HashStore(), threading.Event(), {}
+    store.set("roster", b"1")  # rank 1's first process arrived, then died
+    replacement = threading.Thread(target=_run, args=(store, _spec(1, 3), never, out))
+    replacement.start()
+    replacement.join(0.5)
+    assert replacement.is_alive(), "ranks 0 and 2 have not arrived"
+    others = [threading.Thread(target=_run, args=(store, _spec(r, 3), never, out)) for r in (0, 2)]
+    for t in others:
+        t.start()
+    for t in [replacement, *others]:
+        t.join(30)
+    assert out == {0: "joined", 1: "joined", 2: "joined"}
+
+
+def test_a_world_of_one_does_not_wait() -> None:
+    out: dict[int, object] = {}
+    _run(dist.HashStore(), _spec(0, 1), threading.Event(), out)
+    assert out == {0: "joined"}
