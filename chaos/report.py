@@ -32,6 +32,8 @@ class FaultRecord:
     detected_at: float | None = None
     resumed_at: float | None = None
     detail: str = ""
+    lost_s: float | None = None  # training time it cost: pauses it caused plus steps redone because of it
+    redone_steps: int = 0
 
     @property
     def detection_s(self) -> float | None:
@@ -67,6 +69,20 @@ class RunReport:
     stragglers: list[str] = field(default_factory=list)  # nodes the daemon named stragglers during the run
     rollbacks: int = 0  # training-health rollbacks (NaN/inf, loss spikes)
     skipped_samples: int = 0  # samples those rollbacks skipped
+    badput: dict[str, float] = field(default_factory=dict)  # seconds by cause (chaos/badput.py)
+    normal_step_s: float = 0.0
+    bands: list[tuple[str, float, float]] = field(default_factory=list)  # (cause, start, end) of lost time
+
+    def account(self) -> None:
+        """Charge the run's lost time to its faults and causes (``chaos/badput.py``)."""
+        from stalwart.chaos.badput import account
+
+        acc = account(self.samples, self.faults, [r.t for r in self.rounds], self.wall_s, self.final_committed_step)
+        for fault, lost, redone in zip(self.faults, acc.lost_by_fault, acc.redone_by_fault, strict=True):
+            fault.lost_s, fault.redone_steps = round(lost, 3), redone
+        self.badput = {cause: round(v, 3) for cause, v in acc.badput.items()}
+        self.normal_step_s = acc.normal_step_s
+        self.bands = acc.bands
 
     @property
     def passed(self) -> bool:
@@ -131,11 +147,19 @@ def markdown(report: RunReport, picture: str | None) -> str:
                   f"stragglers: {', '.join(report.stragglers) or 'none'}.", ""]
     if picture:
         lines += [f"![timeline]({picture})", ""]
-    lines += ["| fault | target | injected at s | detected after s | resumed after s | detail |",
-              "|---|---|---|---|---|---|"]
+    lines += ["| fault | target | injected at s | detected after s | resumed after s | lost s | steps redone "
+              "| detail |", "|---|---|---|---|---|---|---|---|"]
     for f in report.faults:
         lines.append(f"| {f.kind} | {f.target} | {f.injected_at:.2f} | {_fmt(f.detection_s)} | "
-                     f"{_fmt(f.recovery_s)} | {f.detail} |")
+                     f"{_fmt(f.recovery_s)} | {_fmt(f.lost_s)} | {f.redone_steps} | {f.detail} |")
+    if report.badput:
+        lines += ["", f"Where the {report.wall_s:.1f} s went (normal step {report.normal_step_s:.3f} s; "
+                      "a fault's lost time is split into detection, decision, re-form and restore, "
+                      "stall and recomputation):", "", "| | seconds | share |", "|---|---|---|"]
+        train = report.wall_s - sum(report.badput.values())
+        for cause, v in [("training", train), *report.badput.items()]:
+            if v > 0 or cause == "training":
+                lines.append(f"| {cause} | {v:.2f} | {v / report.wall_s:.1%} |")
     lines += ["", "| round | at s | world size | reason |", "|---|---|---|---|"]
     lines += [f"| {r.number} | {r.t:.2f} | {r.world_size} | {r.reason} |" for r in report.rounds]
     lines += ["", "| check | result |", "|---|---|"]
@@ -164,6 +188,10 @@ def plot(report: RunReport, path: Path) -> None:
     ax_world.set_ylabel("world size")
     ax_world.set_xlabel("seconds since start")
     ax_world.yaxis.get_major_locator().set_params(integer=True)
+    colours = {"startup": "tab:gray", "detection": "tab:orange", "decision": "gold", "re-form and restore": "tab:cyan",
+               "stall": "tab:pink", "other": "tab:brown"}
+    for cause, start, end in report.bands:
+        ax_step.axvspan(start, end, color=colours.get(cause, "tab:olive"), alpha=0.25, linewidth=0)
     for f in report.faults:
         for ax in (ax_step, ax_world):
             ax.axvline(f.injected_at, color="tab:red", alpha=0.7, linewidth=1)
@@ -175,7 +203,12 @@ def plot(report: RunReport, path: Path) -> None:
                          fontsize=7, va="top", ha="right", color="tab:red")
     handles = [plt.Line2D([], [], color=c, linestyle=ls, label=lab) for c, ls, lab in (
         ("tab:red", "-", "fault injected"), ("tab:orange", "--", "detected"), ("tab:green", ":", "first resumed step"))]
-    ax_step.legend(handles=[*ax_step.get_legend_handles_labels()[0], *handles], loc="lower right", fontsize=8)
+    import matplotlib.patches as mpatches
+
+    shown = {cause for cause, _, _ in report.bands}
+    handles += [mpatches.Patch(color=c, alpha=0.25, label=f"lost: {cause}") for cause, c in colours.items()
+                if cause in shown]
+    ax_step.legend(handles=[*ax_step.get_legend_handles_labels()[0], *handles], loc="lower right", fontsize=7)
     ax_step.set_title(f"{report.scenario}: {'passed' if report.passed else 'FAILED'}, "
                       f"goodput {report.goodput:.0%}, {len(report.faults)} faults")
     fig.tight_layout()

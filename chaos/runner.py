@@ -468,6 +468,7 @@ class _Run:
             stragglers=sorted(self.straggler_seen | self._stragglers()),
             rollbacks=sum(e.get("event") == "rollback" for e in self.events),
         )
+        report.account()
         skipped = skipped_samples(self.events)
         report.skipped_samples = sum(len(v) for v in skipped.values())
         report.checks["reached the last step"] = self._finished()

@@ -62,11 +62,15 @@ def run_scenario(args: argparse.Namespace) -> int:
     report = runner.run()
     paths = report_mod.write(report, out)
     print()
-    print(f"{'fault':<20} {'target':<8} {'detected after s':>17} {'resumed after s':>16}")
+    print(f"{'fault':<20} {'target':<8} {'detected after s':>17} {'resumed after s':>16} {'lost s':>7} {'redone':>6}")
     for f in report.faults:
         det = "-" if f.detection_s is None else f"{f.detection_s:.2f}"
         res = "-" if f.recovery_s is None else f"{f.recovery_s:.2f}"
-        print(f"{f.kind:<20} {f.target:<8} {det:>17} {res:>16}")
+        lost = "-" if f.lost_s is None else f"{f.lost_s:.2f}"
+        print(f"{f.kind:<20} {f.target:<8} {det:>17} {res:>16} {lost:>7} {f.redone_steps:>6}")
+    if report.badput:
+        causes = ", ".join(f"{cause} {v:.1f}" for cause, v in report.badput.items() if v > 0)
+        print(f"\nlost time by cause (s): {causes}")
     print()
     for name, ok in report.checks.items():
         print(f"  [{'ok' if ok else 'FAILED'}] {name}")

@@ -1,0 +1,65 @@
+"""Lost time per fault and badput by cause (chaos/badput.py): pure, on made-up step samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.chaos.badput import account
+from stalwart.chaos.report import FaultRecord, Sample
+
+
+def _steps(start_t: float, first: int, n: int, round_: int = 1, dt: float = 0.1) -> list[Sample]:
+    return [Sample(start_t + i * dt, first + i, 3, round_) for i in range(n)]
+
+
+def _total(acc: object) -> float:
+    return acc.training_s + sum(acc.badput.values())  # type: ignore[attr-defined]
+
+
+def test_a_run_without_faults_loses_only_startup_and_finish() -> None:
+    samples = _steps(5.0, 1, 50)
+    acc = account(samples, [], [], wall_s=11.0, committed_step=50)
+    assert acc.normal_step_s == pytest.approx(0.1)
+    assert acc.badput["startup"] == pytest.approx(4.9)
+    assert acc.badput["finish"] == pytest.approx(11.0 - samples[-1].t)
+    assert acc.training_s == pytest.approx(5.0)
+    assert _total(acc) == pytest.approx(11.0)
+
+
+def test_a_pause_is_charged_to_the_fault_before_it_not_to_one_injected_during_it() -> None:
+    samples = _steps(1.0, 1, 30) + _steps(1.0 + 29 * 0.1 + 2.0, 31, 30, round_=2)
+    first = FaultRecord("kill-worker", "n1", injected_at=3.85, detected_at=4.0)
+    during = FaultRecord("kill-daemon", "d0", injected_at=4.5, detected_at=6.5)
+    acc = account(samples, [first, during], [4.2], wall_s=samples[-1].t, committed_step=60)
+    assert first.kind and acc.lost_by_fault[0] == pytest.approx(1.9)
+    assert acc.lost_by_fault[1] == 0.0
+    # the pause [3.9 + 0.1, 5.9]: detection until 4.0, decision until the round at 4.2, then re-form
+    assert acc.badput["detection"] == pytest.approx(0.0)
+    assert acc.badput["decision"] == pytest.approx(0.2)
+    assert acc.badput["re-form and restore"] == pytest.approx(1.7)
+    assert _total(acc) == pytest.approx(samples[-1].t)
+
+
+def test_a_pause_after_training_settled_again_is_not_charged_to_an_old_fault() -> None:
+    samples = _steps(1.0, 1, 40) + _steps(1.0 + 39 * 0.1 + 1.0, 41, 10)
+    old = FaultRecord("kill-etcd", "m1", injected_at=1.5)  # 20+ normal steps before the pause
+    acc = account(samples, [old], [], wall_s=samples[-1].t, committed_step=50)
+    assert acc.lost_by_fault == [0.0]
+    assert acc.badput["other"] == pytest.approx(0.9)
+
+
+def test_steps_redone_after_a_restore_are_charged_to_the_fault_whose_recovery_restored() -> None:
+    # steps 1..20, a fault at 2.95, a 1 s pause, then steps 16..40 again from checkpoint 15
+    before = _steps(1.0, 1, 20)
+    after = _steps(before[-1].t + 1.1, 16, 25, round_=2)
+    fault = FaultRecord("kill-agent", "n1", injected_at=2.95)
+    acc = account(before + after, [fault], [], wall_s=after[-1].t, committed_step=40)
+    assert acc.redone_by_fault == [5]  # steps 16..20 ran twice
+    assert acc.badput["recomputation"] == pytest.approx(0.5)
+    assert acc.lost_by_fault[0] == pytest.approx(1.0 + 0.5)
+    assert _total(acc) == pytest.approx(after[-1].t)
+
+
+def test_no_samples_is_all_other() -> None:
+    acc = account([], [FaultRecord("kill-worker", "n1", 1.0)], [], wall_s=7.0, committed_step=0)
+    assert acc.badput["other"] == 7.0 and acc.training_s == 0.0
