@@ -9,40 +9,74 @@
     [etcd]
     endpoints = ["etcd1:2379", "etcd2:2379", "etcd3:2379"]
 
-A bad file gives one ``AgentConfigError`` line naming the setting.
+A bad file gives one ``AgentConfigError`` line naming the setting and the value. Types are
+exact (``coord/settings.py``): the settings that guard the node — ``insecure``,
+``fault_injection``, ``tls.client_auth`` — take only real booleans, because a quoted
+``"false"`` would otherwise be true. Settings that weaken security are allowed, but named by
+:func:`security_warnings`, which the agent logs at start.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import ssl
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from stalwart.coord.config import EtcdConfig
+from pydantic import BeforeValidator
+
+from stalwart.coord.config import EtcdConfig, with_env_password
 from stalwart.coord.errors import EtcdConfigError
 from stalwart.coord.keys import check_name
+from stalwart.coord.settings import STRICT, build
 
 
 class AgentConfigError(ValueError):
     """The agent's configuration is invalid; the message names the setting."""
 
 
+def _command(value: object) -> object:
+    """A command given as one string is split on white space; a TOML array becomes a tuple."""
+    if isinstance(value, str):
+        return tuple(value.split())
+    return tuple(value) if isinstance(value, list) else value
+
+
 @dataclass(frozen=True)
 class TLSConfig:
-    """Server TLS of the agent's gRPC service; with ``ca_file`` clients must present a certificate."""
+    """Server TLS of the agent's gRPC service.
+
+    ``client_auth`` (true): clients must present a certificate signed by ``ca_file``; without it
+    anyone who reaches the port may call ``Drain``, so turning it off must be explicit.
+    """
+
+    __pydantic_config__ = STRICT
 
     cert_file: str | None = None
     key_file: str | None = None
     ca_file: str | None = None
+    client_auth: bool = True
+
+
+@dataclass(frozen=True)
+class TLSCredentials:
+    """The PEM contents of the TLS files, checked to load (a key that matches its certificate)."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes | None
 
 
 @dataclass(frozen=True)
 class AgentConfig:
+    __pydantic_config__ = STRICT
+
     job: str
-    command: tuple[str, ...]
+    command: Annotated[tuple[str, ...], BeforeValidator(_command)]
     node_id: str = field(default_factory=socket.gethostname)
     workers: int = 1
     listen: str = "127.0.0.1:0"
@@ -51,7 +85,9 @@ class AgentConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     state_dir: str = "/var/lib/stalwart"  # worker logs and the progress socket
-    progress_socket: str | None = None  # default: <state_dir>/agent.sock
+    # The workers' progress socket. Default: <state_dir>/run/agent.sock, in a directory the agent
+    # creates with mode 0700; an existing directory must already be private (it is never chmod-ed).
+    progress_socket: str | None = None
     lease_ttl: int = 5
     stop_grace: float = 10.0
     probe: str = "auto"  # nvml, fake or auto
@@ -63,6 +99,7 @@ class AgentConfig:
     progress_interval: float = 5.0  # seconds between progress writes to etcd (rate limit)
     peer_probe_interval: float = 5.0
     metrics_port: int | None = None
+    metrics_host: str | None = None  # default: listen's host
     cwd: str | None = None
     slow_worker_period: float = 0.02  # fault injection: mean run phase of the FAULT_SLOW_WORKER stop cycle
     busy_window: int = 9  # steps in the recent median of each rank's busy time
@@ -99,9 +136,15 @@ class AgentConfig:
         _check(self.straggler_factor > 1, "straggler_factor", f"must be > 1, got {self.straggler_factor}")
         _check(self.probe in ("nvml", "fake", "auto"), "probe", f"must be nvml, fake or auto, got {self.probe!r}")
         _check(":" in self.listen, "listen", f"must be HOST:PORT, got {self.listen!r}")
+        if self.metrics_port is not None:
+            _check(0 <= self.metrics_port < 65536, "metrics_port",
+                   f"must be within 0..65535 (0: any free port), got {self.metrics_port}")
         if not self.insecure:
             _check(bool(self.tls.cert_file and self.tls.key_file), "tls",
                    "the gRPC service needs tls.cert_file and tls.key_file, or insecure = true")
+            _check(bool(self.tls.ca_file) or not self.tls.client_auth, "tls.ca_file",
+                   "needed to authenticate clients (tls.client_auth = true, the default); set "
+                   "tls.client_auth = false to let anyone who reaches the port call the service")
         for name in ("job", "node_id"):
             try:
                 check_name(name, getattr(self, name))
@@ -110,11 +153,66 @@ class AgentConfig:
 
     @property
     def socket_path(self) -> Path:
-        return Path(self.progress_socket) if self.progress_socket else Path(self.state_dir) / "agent.sock"
+        return Path(self.progress_socket) if self.progress_socket else Path(self.state_dir) / "run" / "agent.sock"
 
     @property
     def log_dir(self) -> Path:
         return Path(self.state_dir) / "logs"
+
+    @property
+    def metrics_bind_host(self) -> str:
+        """Where ``/metrics`` listens: ``metrics_host``, else the host of ``listen``."""
+        if self.metrics_host is not None:
+            return self.metrics_host
+        host = self.listen.rsplit(":", 1)[0].strip("[]")
+        return host or "0.0.0.0"
+
+
+def security_warnings(config: AgentConfig) -> list[str]:
+    """The settings that leave the node less protected than the defaults, one line each."""
+    out = []
+    if config.insecure:
+        out.append(f"insecure = true: the gRPC service on {config.listen} is plain TCP, without TLS; anyone who "
+                   "reaches it can read it and call Drain")
+    elif not config.tls.client_auth:
+        out.append("tls.client_auth = false: clients are not authenticated; anyone who reaches "
+                   f"{config.listen} can call Drain")
+    if config.fault_injection:
+        out.append("fault_injection = true: InjectFault is allowed (kills and hangs workers); chaos testing only")
+    return out
+
+
+def tls_credentials(tls: TLSConfig) -> TLSCredentials:
+    """Read and check the service's TLS files: each must be PEM, the key must match the
+    certificate, and the CA must load. Raises :class:`AgentConfigError` naming the file."""
+    assert tls.cert_file and tls.key_file
+    cert, key = _pem(tls.cert_file, "cert_file", "CERTIFICATE"), _pem(tls.key_file, "key_file", "PRIVATE KEY")
+    ca = _pem(tls.ca_file, "ca_file", "CERTIFICATE") if tls.ca_file else None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    except ssl.SSLError as exc:
+        raise AgentConfigError(f"agent config: tls.cert_file {tls.cert_file} and tls.key_file {tls.key_file}: "
+                               f"cannot be loaded together ({exc.reason or exc})") from None
+    if tls.ca_file:
+        try:
+            context.load_verify_locations(cafile=tls.ca_file)
+        except ssl.SSLError as exc:
+            raise AgentConfigError(f"agent config: tls.ca_file {tls.ca_file}: not a usable CA bundle "
+                                   f"({exc.reason or exc})") from None
+    return TLSCredentials(cert, key, ca)
+
+
+def _pem(path: str, name: str, kind: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise AgentConfigError(f"agent config: tls.{name} {path}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data or kind.encode() not in data:
+        raise AgentConfigError(f"agent config: tls.{name} {path}: not a PEM file with a {kind} "
+                               "(expected a '-----BEGIN ...' block)")
+    return data
 
 
 def _check(ok: bool, name: str, why: str) -> None:
@@ -122,38 +220,20 @@ def _check(ok: bool, name: str, why: str) -> None:
         raise AgentConfigError(f"agent config: {name}: {why}")
 
 
-def _known(cls: Any, data: Mapping[str, Any], where: str) -> None:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise AgentConfigError(f"agent config: {where}{unknown[0]}: unknown setting (known: {sorted(known)})")
-
-
-def from_mapping(data: Mapping[str, Any]) -> AgentConfig:
+def from_mapping(data: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> AgentConfig:
+    """Build from a parsed file, strictly (exact types, no unknown keys); the etcd password may
+    come from ``$STALWART_ETCD_PASSWORD`` (``environ``, default ``os.environ``)."""
     data = dict(data)
-    _known(AgentConfig, data, "")
+    if isinstance(data.get("etcd"), Mapping):
+        data["etcd"] = with_env_password(data["etcd"], os.environ if environ is None else environ)
     try:
-        if "etcd" in data:
-            _known(EtcdConfig, data["etcd"], "etcd.")
-            data["etcd"] = EtcdConfig.from_mapping(data["etcd"])
-        if "tls" in data:
-            _known(TLSConfig, data["tls"], "tls.")
-            data["tls"] = TLSConfig(**data["tls"])
+        return build(AgentConfig, data, "agent config", AgentConfigError)
     except EtcdConfigError as exc:
         raise AgentConfigError(f"agent config: etcd: {exc}") from None
-    for name in ("job", "command"):
-        if name not in data:
-            raise AgentConfigError(f"agent config: {name}: required setting is missing")
-    if isinstance(data["command"], str):
-        data["command"] = data["command"].split()
-    data["command"] = tuple(data["command"])
-    try:
-        return AgentConfig(**data)
-    except TypeError as exc:
-        raise AgentConfigError(f"agent config: {exc}") from None
 
 
-def load(path: str | Path, overrides: Mapping[str, Any] | None = None) -> AgentConfig:
+def load(path: str | Path, overrides: Mapping[str, Any] | None = None,
+         environ: Mapping[str, str] | None = None) -> AgentConfig:
     """Read a TOML file, apply flag overrides (``None`` values are ignored), validate."""
     try:
         with open(path, "rb") as f:
@@ -165,7 +245,7 @@ def load(path: str | Path, overrides: Mapping[str, Any] | None = None) -> AgentC
     for key, value in (overrides or {}).items():
         if value is not None:
             data[key] = value
-    return from_mapping(data)
+    return from_mapping(data, environ)
 
 
 def with_overrides(config: AgentConfig, **changes: Any) -> AgentConfig:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from stalwart.agent.service import BindError
+
 
 class AgentMetrics:
     def __init__(self, node: str) -> None:
@@ -55,5 +57,10 @@ class AgentMetrics:
             self.findings.labels(self._node, code, severity).inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        """Serve ``/metrics`` on ``addr:port`` (0: any free port); returns the bound port.
+        Raises :class:`BindError` when the address cannot be bound."""
+        try:
+            server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            raise BindError(f"metrics_port: cannot bind {addr}:{port}: {exc.strerror or exc}") from None
         return int(server.server_address[1])

@@ -47,7 +47,7 @@ from stalwart.agent.throttle import Throttle, ThrottleSpec
 from stalwart.agent.workers import (ExitKind, RoundAssignment, Worker, WorkerExit, WorkerGroup, start_spare,
                                     stop_workers)
 from stalwart.coord.client import EtcdClient
-from stalwart.coord.errors import CoordError
+from stalwart.coord.errors import CoordError, EtcdUnavailable
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.lease import Lease
 from stalwart.coord.watch import EventType, Watch
@@ -138,14 +138,19 @@ class NodeAgent:
             host = socket.getfqdn()
         return f"{host}:{self.port}"
 
-    def start(self) -> None:
+    def start(self, cancel: threading.Event | None = None) -> bool:
+        """Bind the servers, then register. With ``cancel``, an etcd that does not answer is
+        waited for (a warning a try) until it does or ``cancel`` is set (returns False).
+        Raises ``AgentConfigError``/``BindError`` (servers) or ``CoordError`` (etcd)."""
         self._servers.append(start_progress_server(self.config.socket_path, self, self.channels))
         add_health = lambda server: health_pb2_grpc.add_HealthServicer_to_server(  # noqa: E731
             self._health_service, server)
         server, self.port = start_node_server(self.config, self, extra=[add_health])
         self._servers.append(server)
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.metrics_port)
+            self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_bind_host)
+        if cancel is not None and not self._wait_for_etcd(cancel):
+            return False
         self._register()
         self._watch = self._read_and_watch_round()
         threading.Thread(target=self._follow_rounds, daemon=True, name="agent-rounds").start()
@@ -155,6 +160,20 @@ class NodeAgent:
             self._health_service.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("agent %s up: service %s, progress socket %s", self.config.node_id, self.address,
                  self.config.socket_path, extra={"node": self.config.node_id})
+        return True
+
+    def _wait_for_etcd(self, cancel: threading.Event) -> bool:
+        """Until etcd answers, as the daemon does: one warning line a try. Only unavailability is
+        retried; bad credentials or settings raise."""
+        while not cancel.is_set():
+            try:
+                self.client.status()
+                return True
+            except EtcdUnavailable as exc:
+                log.warning("agent %s: etcd does not answer (%s); retrying", self.config.node_id, exc,
+                            extra={"node": self.config.node_id})
+                cancel.wait(1.0)
+        return False
 
     def _register(self) -> None:
         lease = Lease(self.client, self.config.lease_ttl, on_lost=lambda why: self._commands.put(("lease-lost", why)))
@@ -210,8 +229,23 @@ class NodeAgent:
         for server in self._servers:
             server.stop(grace=1)
         if self._lease:
+            self._announce_leaving()
             self._lease.revoke()
         self.probe.close()
+
+    def _announce_leaving(self) -> None:
+        """Mark the node record ``leaving`` before the lease goes, so the daemon shrinks the world
+        without counting a fault: a stop on purpose (a rolling restart) must not quarantine."""
+        try:
+            kv = self.client.get(self.keys.node(self.config.node_id))
+            if kv is None:
+                return
+            record = records_pb2.NodeRecord.FromString(kv.value)
+            record.leaving = True
+            self.client.put(self.keys.node(self.config.node_id), record.SerializeToString(), lease=kv.lease)
+        except CoordError as exc:
+            log.warning("agent %s: cannot mark the node as leaving (%s); the daemon will count a fault",
+                        self.config.node_id, exc, extra={"node": self.config.node_id})
 
     # -- rounds --------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import grpc
 
-from stalwart.agent.config import AgentConfig, AgentConfigError
+from stalwart.agent.config import AgentConfig, AgentConfigError, tls_credentials
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
 from stalwart.proto.contract import SOCKET_DIR_MODE, SOCKET_MODE, socket_target
 
@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 class FaultRefused(Exception):
     """Fault injection is disabled in this agent's configuration, or the fault is not possible."""
+
+
+class BindError(OSError):
+    """An address the agent must listen on cannot be bound (in use, not local, no permission)."""
 
 
 @dataclass(frozen=True)
@@ -294,21 +298,53 @@ def start_node_server(config: AgentConfig, core: AgentCore, extra: list[object] 
     """The agent's TCP service; returns the server and its bound port.
 
     TLS unless ``config.insecure``; mutual TLS (clients must present a certificate signed by
-    ``tls.ca_file``) when a CA is configured. ``extra`` servicer-adders run on the same server.
+    ``tls.ca_file``) unless ``tls.client_auth = false``. ``extra`` servicer-adders run on the same
+    server. Raises :class:`AgentConfigError` for an unusable TLS file and :class:`BindError` when
+    the address cannot be bound — also when another process serves it: ``SO_REUSEPORT``, which
+    gRPC sets by default, would let two agents share a port silently.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-grpc"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-grpc"),
+                         options=[("grpc.so_reuseport", 0)])
     agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(core), server)
     for add in extra or []:
         add(server)  # type: ignore[operator]
-    if config.insecure:
-        port = server.add_insecure_port(config.listen)
-    else:
-        key, cert = _read(config.tls.key_file, "key_file"), _read(config.tls.cert_file, "cert_file")
-        ca = _read(config.tls.ca_file, "ca_file")
-        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
-        port = server.add_secure_port(config.listen, creds)
+    try:
+        if config.insecure:
+            port = server.add_insecure_port(config.listen)
+        else:
+            tls = tls_credentials(config.tls)
+            creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                                require_client_auth=config.tls.client_auth)
+def private_socket_dir(directory: Path) -> None:
+    """Make sure ``directory`` exists and no other user can enter it.
+
+    A missing directory is created with mode 0700. An existing one is never changed (it may be
+    shared, like ``/run``): it is refused when its group or others may use it, or when another
+    user owns it. Raises :class:`AgentConfigError` naming ``progress_socket``.
+    """
+    try:
+        directory.mkdir(mode=SOCKET_DIR_MODE, parents=True)
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise AgentConfigError(f"agent config: progress_socket: cannot create {directory}: "
+                               f"{exc.strerror or exc}") from None
+    st = directory.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise AgentConfigError(f"agent config: progress_socket: {directory} is not a directory")
+    if st.st_mode & 0o077 or st.st_uid != os.geteuid():
+        raise AgentConfigError(
+            f"agent config: progress_socket: directory {directory} (mode {stat.S_IMODE(st.st_mode):04o}, "
+            f"owner uid {st.st_uid}) is open to other users; put the socket in a directory of its own "
+            "that the agent creates, or make this one private (chmod 700)")
+
+
+            port = server.add_secure_port(config.listen, creds)
+    except RuntimeError:  # gRPC's "Failed to bind to address"
+        port = 0
     if port == 0:
-        raise AgentConfigError(f"agent config: listen: cannot bind {config.listen}")
+        raise BindError(f"listen: cannot bind {config.listen} (in use, or not an address of this host)")
     server.start()
     return server, port
 
@@ -316,11 +352,10 @@ def start_node_server(config: AgentConfig, core: AgentCore, extra: list[object] 
 def start_progress_server(path: Path, core: AgentCore, channels: WorkerChannels | None = None) -> grpc.Server:
     """The local progress channel on a unix socket only its owner can use.
 
-    The socket lives in a directory of mode 0700 and is itself made 0600, so no other user on
-    the node can report progress or read it.
+    The socket lives in a private directory (:func:`private_socket_dir`) and is itself made 0600,
+    so no other user on the node can report progress or read it.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, SOCKET_DIR_MODE)
+    private_socket_dir(path.parent)
     if path.exists() or path.is_socket():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise AgentConfigError(f"agent config: progress_socket: {path} exists and is not a socket")

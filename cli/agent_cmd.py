@@ -1,19 +1,35 @@
-"""``stalwart agent --config FILE``: run the node agent (a systemd ``Type=notify`` service)."""
+"""``stalwart agent --config FILE``: run the node agent (a systemd ``Type=notify`` service).
+
+Start-up failures are one line on stderr, never a traceback. Exit codes: 0 stopped by
+SIGTERM/SIGINT (or ``--check`` passed); 1 etcd refused the agent (credentials, permissions) or
+failed while it registered; 2 invalid configuration, an unusable TLS file, or an address that
+cannot be bound. An etcd that does not answer is waited for, with a warning a try, as the daemon
+does; systemd hears ``READY=1`` only once the node is registered.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import signal
 import sys
 import threading
+from dataclasses import asdict
 
-from stalwart.agent.config import AgentConfigError, load
+from stalwart.agent.config import AgentConfig, AgentConfigError, load, security_warnings, tls_credentials
 from stalwart.cli import systemd
+
+EXIT_OK, EXIT_ETCD, EXIT_CONFIG = 0, 1, 2
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("agent", help="run the node agent")
     p.add_argument("--config", required=True, help="agent config file (TOML)")
+    p.add_argument("--check", action="store_true",
+                   help="validate the configuration and its TLS files, print it and exit")
     p.add_argument("--node-id", help="override node_id")
     p.add_argument("--listen", help="override listen (HOST:PORT of the gRPC service)")
     p.add_argument("--state-dir", help="override state_dir (worker logs, progress socket)")
@@ -27,33 +43,69 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def shown(config: AgentConfig) -> dict[str, object]:
+    """The configuration as ``--check`` prints it: every setting, the etcd password masked."""
+    out = asdict(config)
+    if out["etcd"].get("password"):
+        out["etcd"]["password"] = "***"
+    out["progress_socket"] = str(config.socket_path)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    from stalwart.agent.service import BindError
+    from stalwart.coord.errors import CoordError
+
     overrides = {"node_id": args.node_id, "listen": args.listen, "state_dir": args.state_dir,
                  "insecure": args.insecure, "fault_injection": args.fault_injection, "spares": args.spares,
                  "reform_in_place": args.reform_in_place}
     try:
         config = load(args.config, overrides)
+        if not config.insecure:
+            tls_credentials(config.tls)  # a bad certificate is named here, not as "failed to bind"
     except AgentConfigError as exc:
-        print(f"stalwart agent: {exc}", file=sys.stderr)
-        return 2
+        return _fail(exc, EXIT_CONFIG)
+    warnings = security_warnings(config)
+    if args.check:
+        print(json.dumps(shown(config), indent=2))
+        for line in warnings:
+            print(f"stalwart agent: warning: {line}", file=sys.stderr)
+        return EXIT_OK
+    for line in warnings:
+        log.warning("%s", line, extra={"node": config.node_id})
     from stalwart.agent.node import NodeAgent  # after validation: a bad config costs no imports
 
     agent = NodeAgent(config)
-    try:
-        agent.start()
-    except AgentConfigError as exc:
-        print(f"stalwart agent: {exc}", file=sys.stderr)
-        return 2
     stop = threading.Event()
+    started = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
         stop.set()
-        agent.shutdown()
+        if started.is_set():
+            agent.shutdown()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    try:
+        if not agent.start(cancel=stop):
+            agent.shutdown()
+            return EXIT_OK  # stopped while waiting for etcd
+    except (AgentConfigError, BindError) as exc:
+        agent.shutdown()
+        return _fail(exc, EXIT_CONFIG)
+    except CoordError as exc:
+        agent.shutdown()
+        return _fail(exc, EXIT_ETCD)
+    started.set()
+    if stop.is_set():  # a signal came while starting
+        agent.shutdown()
     systemd.notify("READY=1", f"STATUS=agent {config.node_id} serving on {agent.address}")
     systemd.start_watchdog(lambda: not stop.is_set(), stop)
     agent.run()
     systemd.notify("STOPPING=1")
-    return 0
+    return EXIT_OK
+
+
+def _fail(exc: Exception, code: int) -> int:
+    print(f"stalwart agent: {exc}", file=sys.stderr)
+    return code

@@ -1,13 +1,23 @@
-"""How to reach etcd: endpoints, deadlines, TLS and auth, validated once when built."""
+"""How to reach etcd: endpoints, deadlines, TLS and auth, validated once when built.
+
+The password can stay out of config files: ``password_file`` names a file holding it, and every
+component takes it from ``$STALWART_ETCD_PASSWORD`` when a user but no password is configured
+(:func:`with_env_password`).
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
 
 from stalwart.coord.errors import EtcdConfigError
+from stalwart.coord.settings import STRICT, build
+
+PASSWORD_ENV = "STALWART_ETCD_PASSWORD"
 
 
 @dataclass(frozen=True)
@@ -51,15 +61,25 @@ def parse_endpoint(text: str) -> tuple[Endpoint, bool | None]:
     return Endpoint(host, port), tls
 
 
+def _split(value: object) -> object:
+    """``"a:1,b:2"`` (a flag) or a TOML array as a tuple; anything else is left for strict validation."""
+    if isinstance(value, str):
+        return tuple(e for e in value.split(",") if e.strip())
+    return tuple(value) if isinstance(value, list) else value
+
+
 @dataclass(frozen=True)
 class EtcdConfig:
     """Settings for :class:`stalwart.coord.client.EtcdClient`.
 
     ``timeout`` bounds every call, retries and fail-over included; ``attempt_timeout`` bounds one
-    try on one endpoint, so a member that hangs is left for the next one in time.
+    try on one endpoint, so a member that hangs is left for the next one in time. ``password``
+    or ``password_file`` (read once, here; a trailing newline is dropped), not both.
     """
 
-    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    __pydantic_config__ = STRICT
+
+    endpoints: Annotated[tuple[str, ...], BeforeValidator(_split)] = ("127.0.0.1:2379",)
     timeout: float = 5.0
     attempt_timeout: float = 2.0
     ca_file: str | None = None
@@ -67,8 +87,13 @@ class EtcdConfig:
     key_file: str | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    password_file: str | None = None
 
     def __post_init__(self) -> None:
+        if self.password_file is not None:
+            if self.password is not None:
+                raise EtcdConfigError("etcd auth: give password or password_file, not both")
+            object.__setattr__(self, "password", _read_secret(self.password_file))
         if isinstance(self.endpoints, str):
             object.__setattr__(self, "endpoints", tuple(e for e in self.endpoints.split(",") if e.strip()))
         else:
@@ -103,12 +128,29 @@ class EtcdConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> EtcdConfig:
-        """Build from a config-file table; unknown keys are errors, not silently dropped."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise EtcdConfigError(f"unknown etcd setting(s) {unknown}; known: {sorted(known)}")
-        return cls(**dict(data))
+        """Build from a config-file table, strictly: unknown keys and wrong types are errors."""
+        return build(cls, data, "etcd", EtcdConfigError)
+
+
+def with_env_password(table: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``table`` with the password from ``$STALWART_ETCD_PASSWORD`` when it names a user but
+    neither a password nor a password file, so the secret shows neither in a file nor in ``ps``."""
+    out = dict(table)
+    secret = (os.environ if environ is None else environ).get(PASSWORD_ENV)
+    if secret and out.get("user") and out.get("password") is None and out.get("password_file") is None:
+        out["password"] = secret
+    return out
+
+
+def _read_secret(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.read().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EtcdConfigError(f"etcd auth: password_file {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not secret:
+        raise EtcdConfigError(f"etcd auth: password_file {path!r} is empty")
+    return secret
 
 
 def _check_pem(name: str, path: str) -> None:

@@ -50,13 +50,15 @@ _HEALTH = {records_pb2.HEALTH_OK: Health.HEALTHY, records_pb2.HEALTH_TRANSIENT: 
 class NodeInfo:
     """A node record. ``agent_address`` is the agent's service (host:port), put in round records
     so that agents can probe each other; ``host`` is what peers use as the master address.
-    ``draining`` is the agent's own drain flag (``NodeRecord.cordoned``)."""
+    ``draining`` is the agent's own drain flag (``NodeRecord.cordoned``); ``leaving``: the agent
+    is stopping on purpose, so the lease loss that follows is not a fault."""
 
     node_id: str
     agent_address: str
     host: str
     devices: int
     draining: bool
+    leaving: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def decode_node(node_id: str, value: bytes) -> NodeInfo:
         raise BadRecord(f"node {node_id}: record has neither an address nor a hostname")
     if rec.devices < 1:
         raise BadRecord(f"node {node_id}: devices must be at least 1, got {rec.devices}")
-    return NodeInfo(node_id, address, host, int(rec.devices), bool(rec.cordoned))
+    return NodeInfo(node_id, address, host, int(rec.devices), bool(rec.cordoned), bool(rec.leaving))
 
 
 def decode_health(node_id: str, value: bytes) -> tuple[Health | None, str, frozenset[str]]:

@@ -21,12 +21,13 @@ import os
 import socket
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from stalwart.coord.config import EtcdConfig
 from stalwart.coord.errors import EtcdConfigError
 from stalwart.coord.keys import check_name
+from stalwart.coord.settings import STRICT, build
 from stalwart.daemon.errors import DaemonError, PolicyError
 from stalwart.daemon.policy import RoundPolicy
 
@@ -63,6 +64,8 @@ class DaemonSettings:
     - ``metrics_host`` ("0.0.0.0"), ``metrics_port`` (9464): Prometheus ``/metrics``; 0 disables.
     - ``health_host`` ("0.0.0.0"), ``health_port`` (0): the gRPC health service; 0 disables.
     """
+
+    __pydantic_config__ = STRICT
 
     job: str = ""
     daemon_id: str = ""
@@ -128,11 +131,7 @@ def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _settings(mapping: Mapping[str, Any], where: str) -> DaemonSettings:
-    known = {f.name for f in fields(DaemonSettings)}
-    unknown = sorted(set(mapping) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown daemon setting(s) {unknown}; known: {sorted(known)}")
-    return DaemonSettings(**dict(mapping))
+    return build(DaemonSettings, mapping, f"{where}: daemon", ConfigError)
 
 
 def load_config(path: str | os.PathLike[str] | None = None,

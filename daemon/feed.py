@@ -32,8 +32,8 @@ from stalwart.daemon.round_events import (
     NodeRegistered,
     PeerReachability,
     ProgressReport,
-    Uncordon,
     Replacing,
+    Uncordon,
     WorkerFailed,
 )
 
@@ -81,6 +81,7 @@ class Feed:
         self._failures_seen: set[tuple[str, int]] = set()  # (node, round): one restart per failure
         self._unreachable: dict[str, frozenset[str]] = {}
         self._replacing: set[str] = set()  # nodes whose last health record said replacing
+        self._leaving: set[str] = set()  # nodes whose agent announced a graceful stop
         self._warned: set[str] = set()
         self._on_ignored = on_ignored
 
@@ -174,6 +175,7 @@ class Feed:
             self._ignored("node", str(exc))
             return []
         self.agent_addresses[node_id] = info.agent_address
+        (self._leaving.add if info.leaving else self._leaving.discard)(node_id)
         out: list[Event] = []
         if node_id not in self.registered:
             self.registered.add(node_id)
@@ -201,7 +203,9 @@ class Feed:
         self.registered.discard(node_id)
         self._unreachable.pop(node_id, None)
         self._replacing.discard(node_id)
-        return [LeaseLost(node_id)]
+        planned = node_id in self._leaving
+        self._leaving.discard(node_id)
+        return [LeaseLost(node_id, planned=planned)]
 
     def _health(self, node_id: str, value: bytes) -> list[Event]:
         if not self._is_registered(node_id, "health"):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+from stalwart.coord.settings import STRICT, build
 from stalwart.daemon.errors import PolicyError
 
 __all__ = ["PolicyError", "RoundPolicy"]
@@ -51,6 +52,8 @@ class RoundPolicy:
       in place in well under a second instead of waiting seconds for a new process; it rejoins by
       the regrow rule once its replacement is warm. False: the round restarts with it.
     """
+
+    __pydantic_config__ = STRICT
 
     min_nodes: int = 1
     max_nodes: int = 10_000
@@ -116,13 +119,8 @@ class RoundPolicy:
         Missing keys take their defaults. Raises :class:`PolicyError` on an unknown key (a typo must
         not silently fall back to a default), a value of the wrong type, or an invalid combination.
         """
-        if not isinstance(mapping, Mapping):
-            raise PolicyError(f"round policy must be a table of settings, got {type(mapping).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(key) for key in mapping if key not in known)
-        if unknown:
-            raise PolicyError(f"unknown round policy setting(s) {unknown}; known: {sorted(known)}")
-        return cls(**mapping)  # type: ignore[arg-type]  # types are checked in __post_init__
+        policy: RoundPolicy = build(cls, mapping, "policy", PolicyError)
+        return policy
 
     @property
     def largest_world_size(self) -> int:

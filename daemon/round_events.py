@@ -63,9 +63,11 @@ class NodeRegistered:
 
 @dataclass(frozen=True)
 class LeaseLost:
-    """The lease of a node's agent expired or was revoked: the node is gone until it registers."""
+    """The lease of a node's agent expired or was revoked: the node is gone until it registers.
+    ``planned``: its agent said it was leaving (a graceful stop), so it is not a fault."""
 
     node_id: str
+    planned: bool = False
 
 
 @dataclass(frozen=True)

@@ -315,13 +315,16 @@ class RoundMachine:
         if not rec.registered:
             log.info("round %d: node %s: ignored lease loss, not registered", self._round_no(), rec.node_id)
             return
-        counts = rec.health is Health.HEALTHY and rec.state not in HELD
+        # A planned leave (the agent stopped on purpose) shrinks the world like a lost lease, but
+        # is no fault: a rolling restart must not quarantine the nodes it restarts.
+        counts = rec.health is Health.HEALTHY and rec.state not in HELD and not ev.planned
+        why = "left (its agent stopped)" if ev.planned else "lease lost"
         rec.registered = False
-        if not (counts and self._fault(rec, now, "lease lost")) and rec.state not in HELD:
-            self._move(rec, NodeState.LOST, "lease lost")
+        if not (counts and self._fault(rec, now, why)) and rec.state not in HELD:
+            self._move(rec, NodeState.LOST, why)
         self._sync(rec)
         if self._in_round(rec.node_id):
-            self._broken.append(f"node {rec.node_id} lease lost")
+            self._broken.append(f"node {rec.node_id} {why}")
 
     def _on_health(self, ev: HealthVerdict, now: float) -> None:
         rec = self._known(ev.node_id, f"health {ev.health.value}")

@@ -28,7 +28,7 @@ HOLD_CORDON: HoldKind
 HOLD_DRAIN: HoldKind
 
 class NodeRecord(_message.Message):
-    __slots__ = ("node_id", "address", "devices", "hostname", "versions", "registered_at", "cordoned")
+    __slots__ = ("node_id", "address", "devices", "hostname", "versions", "registered_at", "cordoned", "leaving")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class NodeRecord(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
     CORDONED_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     devices: int
@@ -50,7 +51,8 @@ class NodeRecord(_message.Message):
     versions: _containers.ScalarMap[str, str]
     registered_at: float
     cordoned: bool
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., hostname: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., registered_at: _Optional[float] = ..., cordoned: _Optional[bool] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., hostname: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., registered_at: _Optional[float] = ..., cordoned: _Optional[bool] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class Finding(_message.Message):
     __slots__ = ("source", "device", "state", "code", "detail", "round")

@@ -105,3 +105,106 @@ def test_notify_socket_gets_ready_and_watchdog_then_agent_death_cleans_up(
             agent.kill()
         agent.wait()
         sock.close()
+
+
+def _start_failure(cfg: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([STALWART, "agent", "--config", str(cfg), *flags], capture_output=True, text=True,
+                         timeout=60)
+    assert "Traceback" not in out.stderr, out.stderr
+    return out
+
+
+def _listening(reuse_port: bool = False) -> socket.socket:
+    sock = socket.socket()
+    if reuse_port:  # as a gRPC server holds its port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def test_a_port_in_use_is_one_line_with_exit_2(tmp_path: Path, etcd_server: LocalEtcd) -> None:
+    with _listening(reuse_port=True) as held:
+        port = held.getsockname()[1]
+        cfg = _write_config(tmp_path / "agent.toml", etcd_server, "ports", tmp_path / "s",
+                            f'listen = "127.0.0.1:{port}"')
+        out = _start_failure(cfg)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines()[-1] == (
+            f"stalwart agent: listen: cannot bind 127.0.0.1:{port} (in use, or not an address of this host)")
+        cfg = _write_config(tmp_path / "agent.toml", etcd_server, "ports", tmp_path / "s", f"metrics_port = {port}")
+        out = _start_failure(cfg)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines()[-1].startswith(
+            f"stalwart agent: metrics_port: cannot bind 127.0.0.1:{port}: "), out.stderr
+
+
+def test_a_certificate_that_is_not_pem_is_reported_as_such(tmp_path: Path, etcd_server: LocalEtcd,
+                                                          tls_dir: Path) -> None:
+    der = tmp_path / "agent.der"
+    subprocess.run(["openssl", "x509", "-in", str(tls_dir / "server.crt"), "-outform", "DER", "-out", str(der)],
+                   check=True, capture_output=True)
+    cfg = _write_config(tmp_path / "agent.toml", etcd_server, "pem", tmp_path / "s", "insecure = false")
+    cfg.write_text(cfg.read_text() + f'[tls]\ncert_file = "{der}"\nkey_file = "{tls_dir / "server.key"}"\n'
+                                     f'ca_file = "{tls_dir / "ca.crt"}"\n')
+    out = _start_failure(cfg)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"tls.cert_file {der}: not a PEM file" in lines[0], out.stderr
+
+
+def test_the_socket_directory_is_created_private_and_an_existing_one_never_changed(
+        tmp_path: Path, etcd_server: LocalEtcd) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    cfg = _write_config(tmp_path / "agent.toml", etcd_server, "sock", tmp_path / "s",
+                        f'progress_socket = "{shared / "agent.sock"}"')
+    out = _start_failure(cfg)
+    assert out.returncode == 2, out.stderr
+    assert "progress_socket: directory" in out.stderr and "open to other users" in out.stderr, out.stderr
+    assert shared.stat().st_mode & 0o777 == 0o755, "the agent changed the mode of an existing directory"
+
+    from stalwart.agent.service import private_socket_dir
+
+    fresh = tmp_path / "fresh" / "run"
+    private_socket_dir(fresh)
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    private_socket_dir(fresh)  # ours, private: accepted as it is
+
+
+def test_an_unreachable_etcd_is_waited_for_and_ready_comes_after(tmp_path: Path) -> None:
+    late = LocalEtcd(tmp_path / "late-etcd", 1)  # its ports are chosen; it is not running yet
+    cfg = _write_config(tmp_path / "agent.toml", late, "late", tmp_path / "s")
+    notify_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(notify_path)
+    err = tmp_path / "agent.err"
+    agent = subprocess.Popen([STALWART, "agent", "--config", str(cfg)], env=dict(os.environ, NOTIFY_SOCKET=notify_path),
+                             stdout=subprocess.DEVNULL, stderr=open(err, "wb"))
+    try:
+        deadline = time.monotonic() + 60
+        while "etcd does not answer" not in err.read_text():
+            assert agent.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        sock.setblocking(False)
+        try:
+            early = sock.recv(4096)
+        except BlockingIOError:
+            early = b""
+        assert not early, f"systemd was told {early!r} before etcd answered"
+        late.start()
+        sock.setblocking(True)
+        sock.settimeout(60)
+        assert sock.recv(4096).decode().startswith("READY=1")
+        warnings = [line for line in err.read_text().splitlines() if "etcd does not answer" in line]
+        assert warnings and all("retrying" in line for line in warnings)
+        assert "Traceback" not in err.read_text()
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+        sock.close()
+        late.stop()

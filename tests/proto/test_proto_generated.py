@@ -26,7 +26,7 @@ def test_editing_a_proto_without_regenerating_is_detected(tmp_path: Path) -> Non
     copy = tmp_path / "proto"
     shutil.copytree(REPO / "proto", copy, ignore=shutil.ignore_patterns("__pycache__"))
     src = copy / "records.proto"
-    src.write_text(src.read_text().replace("string hostname = 4;", "string hostname = 4;\n  string rack = 8;"))
+    src.write_text(src.read_text().replace("string hostname = 4;", "string hostname = 4;\n  string rack = 99;"))
     stale = _gen_proto().stale_files(copy)
     assert "records_pb2.py" in stale
 

@@ -1,0 +1,82 @@
+"""A graceful agent stop (SIGTERM: systemctl stop or restart) shrinks the world but is no fault.
+
+Real etcd, a real daemon process and real agent processes. The daemon quarantines a node at its
+first fault here, so one counted fault would keep the restarted node out for good.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from daemon_testlib import WAIT, DaemonProc, RoundLog, members, new_job
+
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.keys import JobKeys
+from stalwart.coord.local import LocalEtcd
+from stalwart.proto import records_pb2
+
+WORKER = str(Path(__file__).resolve().parents[1] / "agent" / "worker_script.py")
+STALWART = str(Path(sys.executable).with_name("stalwart"))
+
+
+def _agent(etcd: LocalEtcd, job: str, node: str, tmp_path: Path) -> subprocess.Popen[bytes]:
+    cfg = tmp_path / f"{node}.toml"
+    cfg.write_text(f'''job = "{job}"
+node_id = "{node}"
+command = ["{sys.executable}", "{WORKER}"]
+workers = 1
+insecure = true
+listen = "127.0.0.1:0"
+state_dir = "{tmp_path / node}"
+lease_ttl = 2
+probe = "fake"
+stop_grace = 2.0
+[etcd]
+endpoints = ["{etcd.endpoints[0]}"]
+''')
+    with open(tmp_path / f"{node}.log", "ab") as log:
+        return subprocess.Popen([STALWART, "--log-level", "info", "agent", "--config", str(cfg)], stdout=log,
+                                stderr=subprocess.STDOUT)
+
+
+def _faults(client: EtcdClient, job: str, node: str) -> records_pb2.FaultRecord:
+    kv = client.get(JobKeys(job).faults(node))
+    return records_pb2.FaultRecord.FromString(kv.value) if kv else records_pb2.FaultRecord()
+
+
+def test_sigterm_leaves_the_world_without_a_fault_and_the_node_rejoins(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path) -> None:
+    job = new_job()
+    rounds = RoundLog(etcd_client, job)
+    daemon = DaemonProc(etcd_server.endpoints, job, tmp_path / "d.log", "d1", "--min-nodes", "1",
+                        "--max-nodes", "2", "--join-timeout", "30", "--regrow-cooldown", "0",
+                        "--quarantine-faults", "1")
+    agents = {n: _agent(etcd_server, job, n, tmp_path) for n in ("n0", "n1")}
+    try:
+        first = rounds.wait(lambda r: members(r) == ["n0", "n1"], timeout=60)
+
+        agents["n1"].send_signal(signal.SIGTERM)
+        assert agents["n1"].wait(timeout=WAIT) == 0, (tmp_path / "n1.log").read_text()
+        shrunk = rounds.wait(lambda r: r.number > first.number and members(r) == ["n0"])
+        assert "left (its agent stopped)" in shrunk.reason, shrunk.reason
+
+        # Back after the restart: a quarantined node would never be placed again.
+        agents["n1"] = _agent(etcd_server, job, "n1", tmp_path)
+        rounds.wait(lambda r: r.number > shrunk.number and members(r) == ["n0", "n1"], timeout=60)
+        record = _faults(etcd_client, job, "n1")
+        assert not record.quarantined and not record.fault_times, record
+        assert "quarantined" not in daemon.log()
+    finally:
+        for proc in agents.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in agents.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        daemon.stop()
+        rounds.close()
