@@ -283,16 +283,6 @@ def _hello_event(h: agent_pb2.Hello, pid: int | None = None) -> HelloEvent:
                       can_reform=h.can_reform)
 
 
-def _read(path: str | None, what: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise AgentConfigError(f"agent config: tls.{what}: {path}: {exc.strerror or exc}") from None
-
-
 def start_node_server(config: AgentConfig, core: AgentCore, extra: list[object] | None = None) -> tuple[grpc.Server,
                                                                                                         int]:
     """The agent's TCP service; returns the server and its bound port.
@@ -315,6 +305,15 @@ def start_node_server(config: AgentConfig, core: AgentCore, extra: list[object] 
             tls = tls_credentials(config.tls)
             creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
                                                 require_client_auth=config.tls.client_auth)
+            port = server.add_secure_port(config.listen, creds)
+    except RuntimeError:  # gRPC's "Failed to bind to address"
+        port = 0
+    if port == 0:
+        raise BindError(f"listen: cannot bind {config.listen} (in use, or not an address of this host)")
+    server.start()
+    return server, port
+
+
 def private_socket_dir(directory: Path) -> None:
     """Make sure ``directory`` exists and no other user can enter it.
 
@@ -338,15 +337,6 @@ def private_socket_dir(directory: Path) -> None:
             f"agent config: progress_socket: directory {directory} (mode {stat.S_IMODE(st.st_mode):04o}, "
             f"owner uid {st.st_uid}) is open to other users; put the socket in a directory of its own "
             "that the agent creates, or make this one private (chmod 700)")
-
-
-            port = server.add_secure_port(config.listen, creds)
-    except RuntimeError:  # gRPC's "Failed to bind to address"
-        port = 0
-    if port == 0:
-        raise BindError(f"listen: cannot bind {config.listen} (in use, or not an address of this host)")
-    server.start()
-    return server, port
 
 
 def start_progress_server(path: Path, core: AgentCore, channels: WorkerChannels | None = None) -> grpc.Server:
