@@ -161,7 +161,8 @@ class _Stalwart(_Method):
         shutil.rmtree(self.root)
 
 
-def run_method(method: _Method, nbytes: int, repeats: int, compute_iters: int, compute_alone_s: float) -> dict[str, float]:
+def run_method(method: _Method, nbytes: int, repeats: int, compute_iters: int,
+               compute_alone_s: float) -> dict[str, float]:
     """Best of ``repeats`` (after a warm-up) of: the call's stall, the time to durable, and, in
     separate runs, how much longer a simulated training step takes when it starts right after the
     call (background copying and persisting compete with it for the CPUs)."""
@@ -230,7 +231,7 @@ def bench_size(workdir: str, nbytes: int, repeats: int) -> dict[str, Any]:
     for key, make in methods:
         results[key] = run_method(make(), nbytes, repeats, compute_iters, compute_alone_s)
         print(f"   {key}: {results[key]}", flush=True)
-    del state
+    state = {}  # free it (the lambdas above hold the name) before the next size
     gc.collect()
     for key in ("stalwart_blocking", "stalwart_overlap"):
         r = results[key]

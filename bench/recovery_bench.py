@@ -3,26 +3,27 @@
 Two suites (``--suite``):
 
 ``faults`` (default): the DeepSpeed example job (``examples/train_gpt.py``, ZeRO-1, 3 simulated
-nodes of one worker) under the whole stalwart system (etcd, daemon, agents: the chaos runner
-with one fault per trial) and under torchrun ``c10d`` (3 torchrun processes, the store
-workaround on), the same fault injected once training runs at world size 3. Per fault kind and
-system: *detection* (stalwart: the round that drops or restarts the node; torchrun: the first
-worker, other than the victim, that a torchrun stops or replaces) and *fault to resumed step* (the first step recorded after
-the fault by a restored world). Kinds: ``kill-worker`` (SIGKILL one worker), ``kill-node`` (the
-node's agent or torchrun and its worker, SIGKILL), ``hang-worker`` (SIGSTOP one worker; torchrun
-has no hang detection, so it only recovers if a collective times out), ``network-cut`` (stalwart
-only, needs root: torchrun's nodes share loopback here). ``kill-worker`` runs three stalwart
-shapes: 2 nodes + 1 warm spare each (the spare takes the rank: 2 -> 2), 3 nodes without spares
-(the node leaves while it warms a replacement and the others re-form in place: 3 -> 2), and 3
+nodes of one worker) under the whole stalwart system (etcd, daemon, agents: the chaos runner with
+one fault per trial) and under torchrun ``c10d`` (3 torchrun processes, the store workaround on),
+the same fault injected once training runs at world size 3. Per fault kind and system: *detection*
+(stalwart: the round that drops or restarts the node; torchrun: the first worker, other than the
+victim, that a torchrun stops or replaces) and *fault to resumed step* (the first step recorded
+after the fault by a restored world). Kinds: ``kill-worker`` (SIGKILL one worker), ``kill-node``
+(the node's agent or torchrun and its worker, SIGKILL), ``hang-worker`` (SIGSTOP one worker;
+torchrun has no hang detection, so it only recovers if a collective times out), ``network-cut``
+(stalwart only, needs root: torchrun's nodes share loopback here). ``kill-worker`` runs three
+stalwart shapes: 2 nodes + 1 warm spare each (the spare takes the rank: 2 -> 2), 3 nodes without
+spares (the node leaves while it warms a replacement and the others re-form in place: 3 -> 2), and 3
 nodes restarting every worker (``reform_in_place = false``).
 
 ``rendezvous``: the older comparison below, kept for the torchrun backend.
 
-Kill one node of a 3-node torchrun job and time the recovery, per rendezvous backend. Each trial starts 3 torchrun processes on loopback (``--nnodes 2:3 --nproc-per-node 1``, one per
-simulated node) running ``examples/elastic_gloo.py``, waits until all three train at world size
-3, SIGKILLs every process of the last node (its torchrun and its worker), and measures the time
-from the kill to the first step completed at world size 2. A trial that has not resumed within
-``--timeout`` seconds counts as not recovered.
+Kill one node of a 3-node torchrun job and time the recovery, per rendezvous backend. Each trial
+starts 3 torchrun processes on loopback (``--nnodes 2:3 --nproc-per-node 1``, one per simulated
+node) running ``examples/elastic_gloo.py``, waits until all three train at world size 3, SIGKILLs
+every process of the last node (its torchrun and its worker), and measures the time from the kill to
+the first step completed at world size 2. A trial that has not resumed within ``--timeout`` seconds
+counts as not recovered.
 
 Backends, side by side: ``stalwart`` (etcd), ``c10d`` as it is, and ``c10d`` with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (its workaround). All get the same rendezvous timing

@@ -145,7 +145,8 @@ class LocalCluster:
         command = ", ".join(f'"{a}"' for a in self.job_command())
         cfg.write_text(
             f'job = "{self.job}"\nnode_id = "{node}"\ncommand = [{command}]\nworkers = {c.workers_per_node}\n'
-            f'listen = "{self.net.address(node) if self.net else "127.0.0.1"}:0"\ninsecure = true\nstate_dir = "{self.workdir / node}"\n'
+            f'listen = "{self.net.address(node) if self.net else "127.0.0.1"}:0"\ninsecure = true\n'
+            f'state_dir = "{self.workdir / node}"\n'
             f"lease_ttl = {c.lease_ttl}\nprobe = \"fake\"\nfault_injection = true\nstop_grace = 10.0\n"
             f"stall_floor = 4.0\nstall_factor = 10.0\nstall_first_step = 180.0\nprogress_interval = 0.1\n"
             f"busy_window = 5\nreform_in_place = {str(c.reform_in_place).lower()}\nspares = {c.spares}\n"

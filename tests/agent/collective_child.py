@@ -30,7 +30,7 @@ engine, *_ = deepspeed.initialize(model=model, config=ds, optimizer=torch.optim.
 timer = collective_timer.install()
 timer.take()
 blocked, wall = [], []
-for step in range(steps):
+for _ in range(steps):
     start = time.perf_counter()
     if rank == 1:
         time.sleep(sleep)  # "compute" outside any collective

@@ -4,8 +4,8 @@ It reports a step every STEP_TIME seconds. When the agent sends a Reform it appe
 line to EVENTS and acknowledges with ``AgentClient.reformed`` — unless its starting rank is
 IGNORE_REFORM_RANK, then it keeps stepping in its old world and never acknowledges. Started as a
 warm spare (``STALWART_SPARE=1``) it appends ``spare`` when connected, blocks in
-``wait_for_assignment``, appends ``assigned`` and joins (after ASSIGN_DELAY seconds). NO_REFORM=1: it never sets a re-form
-handler (a worker that cannot re-form). EVENTS lines: ``kind pid rank world_size round
+``wait_for_assignment``, appends ``assigned`` and joins (after ASSIGN_DELAY seconds). NO_REFORM=1: it never
+sets a re-form handler (a worker that cannot re-form). EVENTS lines: ``kind pid rank world_size round
 local_rank unix_time``.
 """
 

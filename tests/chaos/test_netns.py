@@ -23,7 +23,7 @@ def _connect_from(net: NodeNetwork, node: str, host: str, port: int) -> bool:
 
 
 def test_a_cut_link_isolates_the_node_and_restore_brings_it_back() -> None:
-    net = NodeNetwork(["node0", "node1"], tag="t%03d" % (threading.get_ident() % 1000))
+    net = NodeNetwork(["node0", "node1"], tag=f"t{threading.get_ident() % 1000:03d}")
     net.setup()
     server = socket.create_server((net.host_ip, 0))
     port = server.getsockname()[1]

@@ -46,9 +46,9 @@ def run(root: str) -> None:
     log_fd = os.open(os.path.join(root, "committed.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     while True:
         step += 1
-        errors = []
+        errors: list[Exception] = []
 
-        def rank(r: int, step: int = step) -> None:
+        def rank(r: int, step: int = step, errors: list[Exception] = errors) -> None:
             try:
                 ckpts[r].save(step, rank_state(CRASH_SPECS, SCHEMES, step, WORLD, r), {"r": r}).result()
             except Exception as exc:  # noqa: BLE001 - reported below

@@ -134,7 +134,7 @@ def extract(full: torch.Tensor, region: Region) -> torch.Tensor:
     if region.flat is not None:
         return full.reshape(-1)[region.flat[0] : region.flat[1]].clone()
     assert region.box is not None
-    index = tuple(slice(o, o + n) for o, n in zip(region.box.offsets, region.box.lengths))
+    index = tuple(slice(o, o + n) for o, n in zip(region.box.offsets, region.box.lengths, strict=True))
     return full[index].clone()
 
 

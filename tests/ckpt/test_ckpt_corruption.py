@@ -97,7 +97,8 @@ def test_flipped_bit_in_a_chunk(tmp_path, mode, codec):
     _flip(_path(root, 2, "rank-00000.bin"), chunk.offset + chunk.stored // 2, bit=3)
     report = verify(root, 2)
     assert not report.ok
-    assert any(isinstance(p, CheckpointCorrupt) and p.file == "rank-00000.bin" and p.chunk is not None for p in report.problems)
+    assert any(isinstance(p, CheckpointCorrupt) and p.file == "rank-00000.bin" and p.chunk is not None
+               for p in report.problems)
     _assert_falls_back(root, CheckpointCorrupt)
     assert verify(root, 1).ok
     cli = _verify_cli(root, 2)
@@ -110,7 +111,8 @@ def test_flipped_bit_in_a_file_header(tmp_path):
     _make(root)
     _flip(_path(root, 2, "rank-00001.bin"), 20)
     report = verify(root, 2)
-    assert any(isinstance(p, CheckpointCorrupt) and p.file == "rank-00001.bin" and p.chunk is None for p in report.problems)
+    assert any(isinstance(p, CheckpointCorrupt) and p.file == "rank-00001.bin" and p.chunk is None
+               for p in report.problems)
     _assert_falls_back(root, CheckpointCorrupt)
     assert _verify_cli(root, 2).returncode == 1
 

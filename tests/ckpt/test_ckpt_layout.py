@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -28,7 +29,7 @@ shapes = st.lists(st.integers(1, 6), min_size=0, max_size=4).map(tuple)
 
 def _flat_index(shape, index):
     flat = 0
-    for d, i in zip(shape, index):
+    for d, i in zip(shape, index, strict=True):
         flat = flat * d + i
     return flat
 
@@ -42,9 +43,8 @@ def test_decompose_yields_the_range_in_order(shape, data):
     assert len(boxes) <= max(1, 2 * len(shape) - 1)
     positions = []
     for box in boxes:
-        for index in torch.cartesian_prod(*[torch.arange(o, o + n) for o, n in zip(box.offsets, box.lengths)]).reshape(
-            -1, len(shape)
-        ).tolist() if shape else [[]]:
+        ranges = [torch.arange(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True)]
+        for index in torch.cartesian_prod(*ranges).reshape(-1, len(shape)).tolist() if shape else [[]]:
             positions.append(_flat_index(shape, index))
     assert positions == list(range(start, stop))
 
@@ -60,12 +60,12 @@ def _schemes(shape, world, draw):
     if draw(st.booleans()) or not shape:
         cuts = sorted(draw(st.lists(st.integers(0, numel), min_size=world - 1, max_size=world - 1)))
         bounds = [0, *cuts, numel]
-        return [Region.flat_range(shape, a, b) for a, b in zip(bounds, bounds[1:])]
+        return [Region.flat_range(shape, a, b) for a, b in itertools.pairwise(bounds)]
     dim = draw(st.integers(0, len(shape) - 1))
     cuts = sorted(draw(st.lists(st.integers(0, shape[dim]), min_size=world - 1, max_size=world - 1)))
     bounds = [0, *cuts, shape[dim]]
     out = []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         offsets = [0] * len(shape)
         lengths = list(shape)
         offsets[dim], lengths[dim] = a, b - a
@@ -76,7 +76,7 @@ def _schemes(shape, world, draw):
 def _local(full, region):
     if region.flat is not None:
         return full.reshape(-1)[region.flat[0] : region.flat[1]]
-    return full[tuple(slice(o, o + n) for o, n in zip(region.box.offsets, region.box.lengths))].reshape(-1)
+    return full[tuple(slice(o, o + n) for o, n in zip(region.box.offsets, region.box.lengths, strict=True))].reshape(-1)
 
 
 @settings(max_examples=150, deadline=None)
@@ -148,5 +148,5 @@ def test_split_evenly_covers_everything():
         for parts in range(1, 7):
             ranges = [split_evenly(total, parts, i) for i in range(parts)]
             assert ranges[0][0] == 0 and ranges[-1][1] == total
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
             assert max(b - a for a, b in ranges) - min(b - a for a, b in ranges) <= 1

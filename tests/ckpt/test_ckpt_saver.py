@@ -123,7 +123,8 @@ def test_committed_step_is_never_overwritten(tmp_path):
 
 @pytest.mark.parametrize(
     "metadata",
-    [{"x": float("nan")}, {"x": {1, 2}}, {1: "int key"}, {"t": torch.ones(1)}, {"$bytes": "reserved"}, {"b": b"x" * 5000}],
+    [{"x": float("nan")}, {"x": {1, 2}}, {1: "int key"}, {"t": torch.ones(1)}, {"$bytes": "reserved"},
+     {"b": b"x" * 5000}],
 )
 def test_metadata_that_json_cannot_hold_is_refused(tmp_path, metadata):
     config = SaveConfig(chunk_bytes=4096, max_metadata_bytes=4096)

@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 import torch
-from testkit import kill_tree
 from trainer_testlib import REPO, tail
 
 from stalwart.ckpt import read_manifest
 from stalwart.ckpt.storage import step_dir_name
+from testkit import kill_tree
 
 CHILD = str(Path(__file__).with_name("reform_child.py"))
 STEPS, SAVE_EVERY, KILL_AT = 12, 3, 7  # checkpoints 3, 6, 9, 12; the victim dies after step 7
@@ -169,7 +169,8 @@ def print_timings(what: str, kill_time: float, results: dict[str, dict[str, Any]
             seen = t["error_seen_at"]
             print(f"[{what}] {name} round {t['round']} rank {t['rank']}/{t['world_size']}: "
                   f"error seen +{(seen - kill_time) if seen else float('nan'):.3f}s, "
-                  f"re-form began +{t['started_at'] - kill_time:.3f}s, old world left +{t['left_at'] - kill_time:.3f}s, "
+                  f"re-form began +{t['started_at'] - kill_time:.3f}s, "
+                  f"old world left +{t['left_at'] - kill_time:.3f}s, "
                   f"group up +{t['group_up_at'] - kill_time:.3f}s, "
                   f"engine rebuilt +{t['engine_built_at'] - kill_time:.3f}s, "
                   f"state restored +{t['restored_at'] - kill_time:.3f}s, "
