@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -19,6 +20,7 @@ from dataclasses import asdict
 
 from stalwart.agent.config import AgentConfig, AgentConfigError, load, security_warnings, tls_credentials
 from stalwart.cli import systemd
+from stalwart.coord.config import PASSWORD_ENV
 
 EXIT_OK, EXIT_ETCD, EXIT_CONFIG = 0, 1, 2
 
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             tls_credentials(config.tls)  # a bad certificate is named here, not as "failed to bind"
     except AgentConfigError as exc:
         return _fail(exc, EXIT_CONFIG)
+    os.environ.pop(PASSWORD_ENV, None)  # read; the workers, which inherit the environment, need not see it
     warnings = security_warnings(config)
     if args.check:
         print(json.dumps(shown(config), indent=2))
