@@ -19,6 +19,7 @@ from stalwart.ckpt.errors import (
     CheckpointExists,
     CheckpointNotFound,
     CommitFailed,
+    CommitFenced,
     CommitTimeout,
     LayoutMismatch,
     SaveInProgress,
@@ -30,7 +31,7 @@ from stalwart.ckpt.loader import LoadResult, load
 from stalwart.ckpt.retention import GcReport, RetentionPolicy, collect_garbage
 from stalwart.ckpt.saver import Checkpointer, CommitInfo, CommittedSnapshot, SaveConfig, SaveHandle
 from stalwart.ckpt.shard import Shard
-from stalwart.ckpt.storage import CheckpointInfo, list_checkpoints, read_manifest
+from stalwart.ckpt.storage import CheckpointInfo, atomic_write, list_checkpoints, read_manifest, set_aside
 from stalwart.ckpt.verify import VerifyReport, inspect, verify
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Checkpointer",
     "CodecPolicy",
     "CommitFailed",
+    "CommitFenced",
     "CommitInfo",
     "CommittedSnapshot",
     "CommitTimeout",
@@ -62,12 +64,14 @@ __all__ = [
     "UnsafePath",
     "UnsupportedFormat",
     "VerifyReport",
+    "atomic_write",
     "collect_garbage",
     "default_coordinator",
     "inspect",
     "list_checkpoints",
     "load",
     "read_manifest",
+    "set_aside",
     "split_evenly",
     "verify",
 ]

@@ -88,7 +88,9 @@ def decode(stored: Buffer, codec: str, raw_size: int, digest: str, *, file: str,
         try:
             declared = zstandard.frame_content_size(stored)
             if declared != raw_size:
-                raise CheckpointCorrupt(f"zstd frame declares {declared} bytes, manifest {raw_size}", file=file, chunk=chunk)
+                raise CheckpointCorrupt(
+                    f"zstd frame declares {declared} bytes, manifest {raw_size}", file=file, chunk=chunk
+                )
             data = _decompressor().decompress(stored, max_output_size=raw_size)
         except zstandard.ZstdError as exc:
             raise CheckpointCorrupt(f"zstd cannot decode the chunk ({exc})", file=file, chunk=chunk) from exc

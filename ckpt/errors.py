@@ -72,3 +72,8 @@ class CommitFailed(CheckpointError):
 
 class CommitTimeout(CommitFailed, TimeoutError):
     """Coordination of the commit did not finish within ``commit_timeout_s``."""
+
+
+class CommitFenced(CommitFailed):
+    """A writer with a newer fencing token (``SaveConfig.fence``) has committed under the root:
+    this writer is stale (a job that was replaced) and may not commit beside its successor."""

@@ -9,6 +9,7 @@ manifest is JSON, tensor bytes are raw or zstd, metadata is JSON with tagged byt
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 import re
@@ -24,10 +25,11 @@ from stalwart.ckpt.errors import CheckpointCorrupt, LayoutMismatch, UnsafePath, 
 from stalwart.ckpt.layout import Region, SavedPart, Shape, coverage_problem
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1
 MANIFEST_MAGIC = "stalwart-checkpoint"
 MANIFEST_NAME = "manifest.json"
 VERIFIED_NAME = "verified.json"
+FENCE_NAME = "fence.json"
 LOCK_NAME = ".lock"
 STEP_PREFIX = "step-"
 SHARD_MAGIC = b"STWSHRD\x00"
@@ -37,6 +39,10 @@ FILE_HASH = "xxh3_128"
 CODECS = ("raw", "zstd")
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_CHUNK_BYTES = 1 << 30
+MAX_METADATA_DEPTH = 64
+"""Nesting levels a rank's metadata may have (its own object is level 1). Deeper JSON cannot be
+parsed and re-serialized without hitting Python's recursion limit, so save refuses it."""
+MAX_MANIFEST_DEPTH = MAX_METADATA_DEPTH + 4  # document, content, metadata list, a rank's object
 
 _HEADER = struct.Struct("<8sHHIIQ")  # magic, major, minor, rank, world_size, step
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
@@ -74,8 +80,10 @@ def parse_step_dir(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def shard_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.bin"
+def shard_file_name(rank: int, attempt: str | None = None) -> str:
+    """``rank-NNNNN.bin``, or ``rank-NNNNN-<attempt>.bin`` when that name is taken (a crashed or a
+    concurrent save of the same step): a writer only ever writes a file it created itself."""
+    return f"rank-{rank:05d}.bin" if attempt is None else f"rank-{rank:05d}-{attempt}.bin"
 
 
 def check_name(name: object) -> str:
@@ -134,9 +142,12 @@ def check_header(data: bytes, *, file: str, rank: int, world_size: int, step: in
 _BYTES_TAG = "$bytes"
 
 
-def encode_metadata(value: Any, path: str = "metadata") -> Any:
+def encode_metadata(value: Any, path: str = "metadata", depth: int = 1) -> Any:
     """Turn metadata into JSON values: bytes become ``{"$bytes": base64}``; raises ``LayoutMismatch``
-    for anything else that JSON cannot hold exactly (sets, tensors, NaN, non-string keys)."""
+    for anything else that JSON cannot hold exactly (sets, tensors, NaN, non-string keys) and for
+    nesting deeper than :data:`MAX_METADATA_DEPTH` (it could be saved but never loaded)."""
+    if depth > MAX_METADATA_DEPTH:
+        raise LayoutMismatch(f"{path[:200]}: metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -146,7 +157,7 @@ def encode_metadata(value: Any, path: str = "metadata") -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {_BYTES_TAG: base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, (list, tuple)):
-        return [encode_metadata(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [encode_metadata(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
     if isinstance(value, Mapping):
         if set(value) == {_BYTES_TAG}:
             raise LayoutMismatch(f"{path}: a dict with the single key {_BYTES_TAG!r} is reserved")
@@ -154,7 +165,7 @@ def encode_metadata(value: Any, path: str = "metadata") -> Any:
         for key, v in value.items():
             if not isinstance(key, str):
                 raise LayoutMismatch(f"{path}: key {key!r} is not a string")
-            out[key] = encode_metadata(v, f"{path}.{key}")
+            out[key] = encode_metadata(v, f"{path}.{key}", depth + 1)
         return out
     raise LayoutMismatch(f"{path}: {type(value).__name__} is not JSON-safe metadata (use bytes for blobs)")
 
@@ -167,6 +178,22 @@ def decode_metadata(value: Any) -> Any:
             return base64.b64decode(value[_BYTES_TAG], validate=True)
         return {k: decode_metadata(v) for k, v in value.items()}
     return value
+
+
+def json_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests deeper than ``limit`` levels (scalars are level 0).
+    Iterative, so a hostile document cannot exhaust the stack while it is being measured."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        elif not isinstance(item, list):
+            continue
+        if depth + 1 > limit:
+            return True
+        stack.extend((v, depth + 1) for v in item)
+    return False
 
 
 # --- the manifest ------------------------------------------------------------------------------
@@ -244,6 +271,10 @@ class Manifest:
     version: tuple[int, int] = (FORMAT_MAJOR, FORMAT_MINOR)
     digest: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    fence: int | None = None
+    """The writer's fencing token (job attempt, round), when it gave one (format 1.1)."""
+    attempt: str | None = None
+    """A random id of the save that committed this step (format 1.1)."""
 
     @property
     def logical_bytes(self) -> int:
@@ -266,7 +297,15 @@ def encode_manifest(content: dict[str, Any]) -> tuple[bytes, str]:
     return canonical_json(doc) + b"\n", digest
 
 
-def build_content(step: int, world_size: int, created_unix: float, records: list[dict[str, Any]]) -> dict[str, Any]:
+def build_content(
+    step: int,
+    world_size: int,
+    created_unix: float,
+    records: list[dict[str, Any]],
+    *,
+    fence: int | None = None,
+    attempt: str | None = None,
+) -> dict[str, Any]:
     """Merge every rank's shard record (see ``saver``) into manifest content; checks agreement.
 
     Raises :class:`LayoutMismatch` when ranks disagree on a tensor's dtype or shape, or when the
@@ -293,7 +332,7 @@ def build_content(step: int, world_size: int, created_unix: float, records: list
         problem = coverage_problem(shape, [Region.from_json(shape, p["region"]) for p in entry["parts"]])
         if problem:
             raise LayoutMismatch(f"tensor {name!r}: {problem}")
-    return {
+    content = {
         "step": step,
         "world_size": world_size,
         "created_unix": created_unix,
@@ -303,6 +342,11 @@ def build_content(step: int, world_size: int, created_unix: float, records: list
         "tensors": tensors,
         "metadata": metadata,
     }
+    if fence is not None:
+        content["fence"] = fence
+    if attempt is not None:
+        content["attempt"] = attempt
+    return content
 
 
 def parse_manifest(data: bytes) -> Manifest:
@@ -320,6 +364,8 @@ def parse_manifest(data: bytes) -> Manifest:
         doc = json.loads(data)
     except (ValueError, RecursionError) as exc:
         raise CheckpointCorrupt(f"manifest is not JSON ({exc.__class__.__name__})", file=MANIFEST_NAME) from exc
+    if json_depth_exceeds(doc, MAX_MANIFEST_DEPTH):
+        raise CheckpointCorrupt(f"manifest is nested deeper than {MAX_MANIFEST_DEPTH} levels", file=MANIFEST_NAME)
     if not isinstance(doc, dict) or doc.get("magic") != MANIFEST_MAGIC:
         raise CheckpointCorrupt("not a stalwart manifest", file=MANIFEST_NAME)
     version = doc.get("format_version")
@@ -343,12 +389,14 @@ def parse_manifest(data: bytes) -> Manifest:
         manifest = _parse_content(content, (major, minor), digest)
     except (UnsafePath, UnsupportedFormat, CheckpointCorrupt):
         raise
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, LayoutMismatch) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, LayoutMismatch, RecursionError) as exc:
         raise CheckpointCorrupt(f"malformed manifest ({exc.__class__.__name__}: {exc})", file=MANIFEST_NAME) from exc
     return manifest
 
 
 def _parse_content(content: Any, version: tuple[int, int], digest: str) -> Manifest:
+    """Build the manifest and run every structural check that needs no tensor bytes: the same
+    checks for ``load`` and ``verify``, so nothing ``verify`` would refuse is ever loaded."""
     if content["chunk_hash"] != CHUNK_HASH or content["file_hash"] != FILE_HASH:
         raise UnsupportedFormat(f"unknown hash {content['chunk_hash']!r}/{content['file_hash']!r}")
     step, world_size = _nonneg(content["step"]), _nonneg(content["world_size"])
@@ -357,8 +405,13 @@ def _parse_content(content: Any, version: tuple[int, int], digest: str) -> Manif
         files[check_name(name)] = FileRecord(name, _nonneg(f["rank"]), _nonneg(f["size"]), str(f["digest"]))
         if files[name].rank >= world_size:
             raise ValueError(f"file {name} of rank {files[name].rank} in a world of {world_size}")
+    if sorted(f.rank for f in files.values()) != list(range(world_size)):
+        raise ValueError(f"files {sorted(files)} are not one per rank of a world of {world_size}")
+    spans: dict[str, list[tuple[int, int]]] = {name: [] for name in files}
     tensors: dict[str, TensorRecord] = {}
     for name, t in content["tensors"].items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor name {name!r} is not a non-empty string")
         if t["dtype"] not in DTYPES:
             raise UnsupportedFormat(f"tensor {name!r}: unknown dtype {t['dtype']!r}")
         shape = tuple(_nonneg(d) for d in t["shape"])
@@ -368,27 +421,62 @@ def _parse_content(content: Any, version: tuple[int, int], digest: str) -> Manif
             file = check_name(p["file"])
             if file not in files:
                 raise ValueError(f"tensor {name!r} refers to unlisted file {file}")
+            rank = _nonneg(p["rank"])
+            if rank != files[file].rank:
+                raise ValueError(f"tensor {name!r}: part of rank {rank} in {file} of rank {files[file].rank}")
             region = Region.from_json(shape, p["region"])
             region.validate()
             chunks = tuple(_parse_chunk(c, files[file], itemsize) for c in p["chunks"])
             if sum(c.raw for c in chunks) != region.numel * itemsize:
                 raise ValueError(f"tensor {name!r}: chunks of {file} do not hold its region")
-            parts.append(PartRecord(_nonneg(p["rank"]), file, region, chunks))
+            for before, after in itertools.pairwise(chunks):
+                if after.offset != before.offset + before.stored:
+                    raise ValueError(f"tensor {name!r}: chunks in {file} are not consecutive")
+            if chunks:
+                spans[file].append((chunks[0].offset, chunks[-1].offset + chunks[-1].stored))
+            parts.append(PartRecord(rank, file, region, chunks))
+        problem = coverage_problem(shape, [p.region for p in parts])
+        if problem:
+            raise ValueError(f"tensor {name!r}: {problem}")
         tensors[name] = TensorRecord(name, t["dtype"], shape, tuple(parts))
-    metadata = [decode_metadata(m) for m in content["metadata"]]
+    for name, ranges in spans.items():  # each file: header, then every chunk once, back to back
+        pos = HEADER_SIZE
+        for lo, hi in sorted(ranges):
+            if lo != pos:
+                raise ValueError(f"{name}: chunks leave a gap or overlap at byte {min(lo, pos)}")
+            pos = hi
+        if pos != files[name].size:
+            raise ValueError(f"{name}: chunks end at {pos}, the file has {files[name].size} bytes")
+    raw_meta = content["metadata"]
+    if not isinstance(raw_meta, list) or len(raw_meta) != world_size or not all(isinstance(m, dict) for m in raw_meta):
+        raise ValueError(f"metadata must be one object per rank of a world of {world_size}")
+    metadata = [decode_metadata(m) for m in raw_meta]
+    fence = content.get("fence")
+    if fence is not None:
+        fence = _nonneg(fence)
+    attempt = content.get("attempt")
+    if attempt is not None and not isinstance(attempt, str):
+        raise TypeError("attempt must be a string")
+    created = content["created_unix"]
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise TypeError("created_unix must be a number")
     return Manifest(
         step=step,
         world_size=world_size,
-        created_unix=float(content["created_unix"]),
+        created_unix=float(created),
         files=files,
         tensors=tensors,
         metadata=metadata,
         version=version,
         digest=digest,
+        fence=fence,
+        attempt=attempt,
     )
 
 
 def _parse_chunk(raw: Any, file: FileRecord, itemsize: int) -> ChunkRecord:
+    if not isinstance(raw, list):
+        raise TypeError("a chunk must be a list")
     offset, stored, size, codec, digest = raw
     chunk = ChunkRecord(_nonneg(offset), _nonneg(stored), _nonneg(size), codec, digest)
     if codec not in CODECS:

@@ -15,6 +15,7 @@ the planning can be tested by simulating any number of ranks in one process.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -313,26 +314,37 @@ def plan_reads(parts: Sequence[SavedPart], target: Region) -> tuple[list[ChunkRe
 def coverage_problem(shape: Shape, regions: Sequence[Region]) -> str | None:
     """Why ``regions`` do not tile a tensor of ``shape`` exactly once, or ``None`` when they do.
 
-    Identical regions (the same data saved by several ranks) count once. Flat ranges are checked
-    for overlap by sorting; boxes pairwise, so only up to 128 distinct boxes. The volume check
-    always runs, and the loader's own coverage count catches anything left.
+    Identical regions (the same data saved by several ranks) count once. Exact for any mix of
+    flat ranges and boxes: given the volumes add up, the regions tile the tensor exactly when no
+    two overlap. Flat ranges alone are checked by sorting; otherwise every region is cut into
+    boxes and a sweep along the dimension with the most distinct offsets compares only boxes
+    whose extents there overlap. Regions are assumed inside the shape (``Region.validate``).
     """
-    unique = {r.key(): r for r in regions}
-    total = sum(r.numel for r in unique.values())
+    unique = [r for r in {r.key(): r for r in regions}.values() if r.numel]
+    total = sum(r.numel for r in unique)
     numel = math.prod(shape)
     if total != numel:
         return f"parts hold {total} elements of a tensor of {numel}"
-    flats = sorted(r.flat for r in unique.values() if r.flat is not None and r.numel)
-    for (_, stop), (start, _) in zip(flats, flats[1:]):
-        if start < stop:
-            return f"flat ranges overlap at element {start}"
-    boxes = [r.box for r in unique.values() if r.box is not None and r.numel]
-    if len(boxes) <= 128:
-        for i, a in enumerate(boxes):
-            for b in boxes[i + 1 :]:
-                common = intersect(a, b)
-                if common is not None:
-                    return f"parts overlap in box {common}"
+    if all(r.flat is not None for r in unique):
+        flats = sorted(r.flat for r in unique if r.flat is not None)
+        for (_, stop), (start, _) in itertools.pairwise(flats):
+            if start < stop:
+                return f"flat ranges overlap at element {start}"
+        return None
+    boxes = [p.box for r in unique for p in r.pieces()]
+    if not shape:
+        return "parts overlap in the scalar" if len(boxes) > 1 else None
+    dim = max(range(len(shape)), key=lambda d: len({b.offsets[d] for b in boxes}))
+    boxes.sort(key=lambda b: b.offsets[dim])
+    active: list[Box] = []
+    for box in boxes:
+        start = box.offsets[dim]
+        active = [a for a in active if a.offsets[dim] + a.lengths[dim] > start]
+        for other in active:
+            common = intersect(box, other)
+            if common is not None:
+                return f"parts overlap in box {common}"
+        active.append(box)
     return None
 
 

@@ -206,7 +206,7 @@ def _open_files(
     for name in names:
         record = manifest.files[name]
         try:
-            fd = os.open(os.path.join(step_dir, name), os.O_RDONLY)
+            fd = storage.open_regular(os.path.join(step_dir, name))
         except FileNotFoundError:
             raise CheckpointCorrupt("shard file is missing", file=name) from None
         except OSError as exc:
@@ -215,9 +215,8 @@ def _open_files(
         size = os.fstat(fd).st_size
         if size != record.size:
             raise CheckpointCorrupt(f"file has {size} bytes, manifest says {record.size}", file=name)
-        check_header(
-            os.pread(fd, HEADER_SIZE, 0), file=name, rank=record.rank, world_size=manifest.world_size, step=manifest.step
-        )
+        header = os.pread(fd, HEADER_SIZE, 0)
+        check_header(header, file=name, rank=record.rank, world_size=manifest.world_size, step=manifest.step)
         fds[name] = fd
     return fds
 

@@ -15,8 +15,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from stalwart.ckpt.errors import CheckpointError, CheckpointNotFound
 from stalwart.ckpt.format import MANIFEST_NAME
-from stalwart.ckpt.storage import list_checkpoints, remove_step_dir, remove_trash
+from stalwart.ckpt.storage import check_intact, list_checkpoints, remove_step_dir, remove_trash
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ class RetentionPolicy:
 
 
 def select_removals(committed: Iterable[int], newest_verified: int | None, policy: RetentionPolicy) -> list[int]:
-    """Committed steps the policy lets go, oldest first."""
+    """Committed steps the policy lets go, oldest first. ``committed`` must hold only checkpoints
+    known to be good: what it holds is what ``keep_last`` counts."""
     steps = sorted(set(committed), reverse=True)
     keep = set(steps[: policy.keep_last])
     if policy.keep_every:
@@ -56,17 +58,22 @@ def select_removals(committed: Iterable[int], newest_verified: int | None, polic
 
 @dataclass
 class GcReport:
+    """What a collection did. ``damaged``: committed steps that are not intact (kept, never counted);
+    ``errors``: ``(step, why)`` for each removal the file system refused (e.g. a read-only root)."""
+
     removed: list[int] = field(default_factory=list)
     garbage_removed: list[int] = field(default_factory=list)
     busy: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
+    damaged: list[tuple[int, str]] = field(default_factory=list)
+    errors: list[tuple[int, str]] = field(default_factory=list)
 
 
 def _manifest_digest(step_dir: str) -> str | None:
     try:
         with open(os.path.join(step_dir, MANIFEST_NAME), "rb") as f:
             value = json.loads(f.read()).get("digest")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return value if isinstance(value, str) else None
 
@@ -81,21 +88,44 @@ def collect_garbage(
 ) -> GcReport:
     """Apply ``policy`` under ``root``; steps in ``protect`` are never touched. Safe to run while
     saves and loads run on this host; on a shared file system across hosts, rely on the grace
-    period for unfinished saves and never shrink ``keep_last`` below what other hosts may load."""
+    period for unfinished saves and never shrink ``keep_last`` below what other hosts may load.
+
+    Only intact checkpoints (``storage.check_intact``: the manifest passes every check, each file
+    has its size and header) count towards ``keep_last``, so the newest good checkpoint is never
+    removed because of newer damaged or unverifiable ones; damaged ones are kept for inspection.
+    A removal the file system refuses is reported in ``errors``, not raised."""
     now = time.time() if now is None else now
     protected = set(protect)
     infos = list_checkpoints(root)
-    committed = [i.step for i in infos if i.committed]
-    newest_committed = max(committed, default=None)
+    committed = [i for i in infos if i.committed]
+    newest_committed = max((i.step for i in committed), default=None)
     newest_verified = None
     for info in reversed(infos):
         if info.committed and info.verified_digest and info.verified_digest == _manifest_digest(info.path):
             newest_verified = info.step
             break
-    removals = set(select_removals(committed, newest_verified, policy)) - protected
     report = GcReport()
+    # Judge from the newest down; once keep_last good ones are found, older steps are candidates
+    # for removal, but a step the policy keeps anyway (keep_every, verified) need not be read.
+    good: list[int] = []
+    damaged: set[int] = set()
+    for info in reversed(committed):
+        exempt = info.step == newest_verified or (policy.keep_every and info.step % policy.keep_every == 0)
+        if len(good) >= policy.keep_last and exempt:
+            good.append(info.step)
+            continue
+        try:
+            check_intact(root, info.step)
+        except CheckpointNotFound:
+            continue  # removed meanwhile
+        except CheckpointError as exc:
+            damaged.add(info.step)
+            report.damaged.append((info.step, f"{type(exc).__name__}: {exc}"))
+            continue
+        good.append(info.step)
+    removals = set(select_removals(good, newest_verified, policy)) - protected
     for info in infos:
-        if info.step in protected:
+        if info.step in protected or info.step in damaged:
             report.kept.append(info.step)
             continue
         if info.committed:
@@ -111,12 +141,20 @@ def collect_garbage(
             target = report.garbage_removed
         if dry_run:
             target.append(info.step)
-        elif remove_step_dir(root, info.path):
+            continue
+        try:
+            removed = remove_step_dir(root, info.path)
+        except OSError as exc:
+            report.errors.append((info.step, f"{exc.strerror or exc}"))
+            log.info("gc: cannot remove step %d: %s", info.step, exc)
+            continue
+        if removed:
             target.append(info.step)
             log.info("gc: removed step %d (%s)", info.step, "committed" if info.committed else "unfinished")
         else:
             report.busy.append(info.step)
             log.info("gc: step %d is in use, kept for now", info.step)
+    report.damaged.sort()
     if not dry_run:
         remove_trash(root)
     return report

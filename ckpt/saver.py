@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -48,16 +49,19 @@ from stalwart.ckpt.errors import (
     CheckpointError,
     CheckpointExists,
     CommitFailed,
+    CommitFenced,
     LayoutMismatch,
     SaveInProgress,
 )
 from stalwart.ckpt.format import (
+    LOCK_NAME,
     MANIFEST_NAME,
     build_content,
     canonical_json,
     encode_manifest,
     encode_metadata,
     pack_header,
+    parse_manifest,
     shard_file_name,
 )
 from stalwart.ckpt.layout import Region, chunk_bounds
@@ -85,6 +89,11 @@ class SaveConfig:
     keep_committed: bool = False
     """Keep the host snapshot of the last committed save (:meth:`Checkpointer.committed_snapshot`):
     two host buffers alternate, so the next save never overwrites it. Costs a second buffer."""
+    fence: int | None = None
+    """This writer's fencing token (e.g. the job attempt or round; larger is newer). It goes into
+    the manifest, and a commit is refused with :class:`CommitFenced` once a writer with a larger
+    token has committed under the root (``fence.json``), so a stale job cannot commit beside its
+    replacement. ``None``: no fencing."""
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= 1 << 30:
@@ -101,6 +110,9 @@ class SaveConfig:
             raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
         if self.max_metadata_bytes < 0:
             raise ValueError(f"max_metadata_bytes must be >= 0, got {self.max_metadata_bytes}")
+        fence = self.fence
+        if fence is not None and (not isinstance(fence, int) or isinstance(fence, bool) or fence < 0):
+            raise ValueError(f"fence must be a non-negative integer or None, got {self.fence!r}")
 
 
 @dataclass(frozen=True)
@@ -216,6 +228,7 @@ class Checkpointer:
             raise LayoutMismatch(f"metadata is larger than max_metadata_bytes={self.config.max_metadata_bytes}")
         handle = SaveHandle(step)
         views = self._stage(entries)
+        arena = self._arena  # the persist thread owns this buffer until the save is done
         uses_cuda = any(e.tensor.is_cuda for e in entries)
         copy_event = None
         if self.config.snapshot == "blocking" or uses_cuda:
@@ -232,7 +245,7 @@ class Checkpointer:
             handle._keep_arena = self._arena
         worker = threading.Thread(
             target=self._persist,
-            args=(handle, entries, views, meta, copy_event, started, snapshot_s),
+            args=(handle, arena, entries, views, meta, copy_event, started, snapshot_s),
             name=f"ckpt-persist-{step}",
         )
         worker.start()
@@ -242,22 +255,28 @@ class Checkpointer:
         """The host copy of this rank's part of the last committed save (``keep_committed``)."""
         return self._kept
 
+    def inflight(self) -> SaveHandle | None:
+        """The handle of the save still persisting or committing, or ``None`` when none is."""
+        handle = self._inflight
+        return None if handle is None or handle.done() else handle
+
     def wait(self, timeout: float | None = None) -> CommitInfo | None:
         """Wait for the save in flight (if any) and return its result; raises what it raised."""
         handle = self._inflight
         return None if handle is None else handle.result(timeout)
 
     def close(self) -> None:
-        """Wait for the save in flight (errors are logged, not raised) and release threads."""
+        """Wait for the save in flight to finish with the data it was given (errors are logged,
+        not raised), then release the host buffers and threads."""
         if self._closed:
             return
         self._closed = True
         handle = self._inflight
-        self._arena = None
         if handle is not None:
             exc = handle.exception()
             if exc is not None:
                 log.warning("step %d rank %d: last save failed: %s", handle.step, self.rank, exc)
+        self._arena = self._other_arena = None
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:
@@ -316,6 +335,7 @@ class Checkpointer:
     def _persist(
         self,
         handle: SaveHandle,
+        arena: torch.Tensor | None,
         entries: list[Entry],
         views: list[torch.Tensor],
         meta: Any,
@@ -328,9 +348,10 @@ class Checkpointer:
         record: dict[str, Any] = {"rank": self.rank}
         local_error: BaseException | None = None
         persist_s = 0.0
+        failed = False
         with contextlib.ExitStack() as stack:
             try:
-                os.makedirs(step_dir, exist_ok=True)
+                storage.ensure_step_dir(self.root, step)
                 stack.enter_context(storage.shared_lock(step_dir, create=True))
                 copy_here = None
                 if not handle._snapshot.is_set():
@@ -339,7 +360,7 @@ class Checkpointer:
                     else:
                         copy_event.synchronize()
                         handle._snapshot.set()
-                record.update(self._write_shard(step, step_dir, entries, views, copy_here))
+                record.update(self._write_shard(step, step_dir, arena, entries, views, copy_here))
                 record["metadata"] = meta
                 persist_s = time.perf_counter() - started
             except Exception as exc:
@@ -351,7 +372,12 @@ class Checkpointer:
             # Every rank takes part in the commit, failed or not, so no rank waits in vain.
             try:
                 info = self._commit(step, step_dir, record, local_error, started, snapshot_s, persist_s)
-            except CheckpointError as exc:
+            except _Refused as refused:
+                # Known not committed by us: remove what this save wrote (a full disk must not stay full).
+                self._discard(step_dir, record)
+                failed = True
+                handle._future.set_exception(refused.error)
+            except CheckpointError as exc:  # the outcome is unknown (rank 0 may have committed): keep the file
                 handle._future.set_exception(exc)
                 return
             except Exception as exc:
@@ -359,6 +385,10 @@ class Checkpointer:
                 failure.__cause__ = exc
                 handle._future.set_exception(failure)
                 return
+        if failed:
+            if self.rank == 0:
+                self._remove_if_empty(step_dir)
+            return
         if handle._keep is not None:
             self._kept, self._kept_arena = handle._keep, handle._keep_arena
         handle._keep = handle._keep_arena = None
@@ -366,16 +396,43 @@ class Checkpointer:
             self._after_commit(info)
         handle._future.set_result(info)
 
+    def _discard(self, step_dir: str, record: dict[str, Any]) -> None:
+        file = record.get("file")
+        if file is None:
+            return  # nothing written, or the writer already removed its partial file
+        try:
+            os.unlink(os.path.join(step_dir, file["name"]))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("rank %d: cannot remove %s of a failed save: %s", self.rank, file["name"], exc)
+
+    def _remove_if_empty(self, step_dir: str) -> None:
+        """Rank 0, after a failed save: remove the step directory if nothing but its lock is left
+        (another writer's files or a committed manifest keep it)."""
+        try:
+            if os.path.islink(step_dir):
+                return  # never ours: the save refused to write through it
+            if set(os.listdir(step_dir)) <= {LOCK_NAME}:
+                storage.remove_step_dir(self.root, step_dir)
+        except OSError as exc:
+            log.debug("cannot remove %s: %s", step_dir, exc)
+
     def _write_shard(
-        self, step: int, step_dir: str, entries: list[Entry], views: list[torch.Tensor], copy: SaveHandle | None
+        self,
+        step: int,
+        step_dir: str,
+        arena: torch.Tensor | None,
+        entries: list[Entry],
+        views: list[torch.Tensor],
+        copy: SaveHandle | None,
     ) -> dict[str, Any]:
-        """Write this rank's shard file. With ``copy``, a helper thread snapshots the tensors one
-        after another (marking ``copy`` when all are done) while the chunks of tensors already
-        copied are encoded and written."""
-        name = shard_file_name(self.rank)
+        """Write this rank's shard file from ``arena`` (the buffer this save staged into). With
+        ``copy``, a helper thread snapshots the tensors one after another (marking ``copy`` when
+        all are done) while the chunks of tensors already copied are encoded and written."""
         policy = self.config.compression
-        arena_bytes = memoryview(self._arena.numpy()) if self._arena is not None else memoryview(b"")  # type: ignore[union-attr]
-        base = self._arena.data_ptr() if self._arena is not None else 0
+        arena_bytes = memoryview(arena.numpy()) if arena is not None else memoryview(b"")
+        base = arena.data_ptr() if arena is not None else 0
         ready = [threading.Event() for _ in entries]
         copy_errors: list[BaseException] = []
 
@@ -410,7 +467,12 @@ class Checkpointer:
             e.name: {"dtype": e.dtype, "shape": list(e.region.shape), "region": e.region.to_json(), "chunks": []}
             for e in entries
         }
-        out = ShardWriter(os.path.join(step_dir, name), self.config.direct_io)
+        name = shard_file_name(self.rank)
+        try:
+            out = ShardWriter(os.path.join(step_dir, name), self.config.direct_io)
+        except FileExistsError:  # a crashed or concurrent save of this step: write a file of our own
+            name = shard_file_name(self.rank, uuid.uuid4().hex[:12])
+            out = ShardWriter(os.path.join(step_dir, name), self.config.direct_io)
         try:
             out.write(pack_header(self.rank, self.world_size, step))
             window = 2 * self.config.encode_threads
@@ -427,6 +489,10 @@ class Checkpointer:
                 out.write(stored)
             if copy_errors:
                 raise copy_errors[0]
+            written = sum(c[2] for t in tensors.values() for c in t["chunks"])
+            expected = sum(e.nbytes for e in entries)
+            if written != expected:
+                raise CommitFailed(f"wrote {written} bytes of a state of {expected}")
             size, file_digest = out.finish()
         except BaseException:
             out.abort()
@@ -454,7 +520,10 @@ class Checkpointer:
         else:
             outcome = json.loads(coord.broadcast(None, timeout))
         if not outcome.get("ok"):
-            raise CommitFailed(f"step {step} not committed: {outcome.get('error')}") from local_error
+            kind = {"exists": CheckpointExists, "fenced": CommitFenced}.get(outcome.get("kind", ""), CommitFailed)
+            error = kind(f"step {step} not committed: {outcome.get('error')}")
+            error.__cause__ = local_error
+            raise _Refused(error)
         commit_s = time.perf_counter() - started
         file = record["file"]
         logical = sum(c[2] for t in record["tensors"].values() for c in t["chunks"])
@@ -483,18 +552,40 @@ class Checkpointer:
             self._abandoned = True
 
     def _write_manifest(self, step: int, step_dir: str, payloads: list[bytes]) -> dict[str, Any]:
-        """Rank 0: build and durably write the manifest if every rank succeeded."""
+        """Rank 0: build, check and durably write the manifest if every rank succeeded. The
+        manifest is parsed back with the loader's own checks first, so nothing is committed that
+        cannot be loaded; it is created exclusively, so a second writer of the step is refused."""
+        fence = self.config.fence
         try:
             records = [json.loads(p) for p in payloads]
             errors = [f"rank {r.get('rank')}: {r['error']}" for r in records if "error" in r]
             if errors:
                 return {"ok": False, "error": "; ".join(errors)}
-            content = build_content(step, self.world_size, time.time(), records)
+            content = build_content(
+                step, self.world_size, time.time(), records, fence=fence, attempt=uuid.uuid4().hex
+            )
             data, digest = encode_manifest(content)
-            with self._commit_lock:
-                if self._abandoned:
-                    return {"ok": False, "error": "abandoned: the world that saved it changed before the commit"}
-                storage.atomic_write(step_dir, MANIFEST_NAME, data)
+            parse_manifest(data)
+            with storage.root_commit_lock(self.root):
+                seen = storage.read_fence(self.root) if fence is not None else None
+                if fence is not None and seen is not None and seen > fence:
+                    return {
+                        "ok": False,
+                        "kind": "fenced",
+                        "error": f"a writer with fence {seen} committed under this root; this one has {fence}",
+                    }
+                with self._commit_lock:
+                    if self._abandoned:
+                        return {"ok": False, "error": "abandoned: the world that saved it changed before the commit"}
+                    storage.create_exclusive(step_dir, MANIFEST_NAME, data)
+                if fence is not None and (seen is None or fence > seen):
+                    try:
+                        storage.write_fence(self.root, fence)
+                    except OSError as exc:  # committed all the same; the next commit records it
+                        log.warning("step %d rank 0: cannot record fence %d: %s", step, fence, exc)
+        except CheckpointExists as exc:
+            log.error("step %d rank 0: not committed: %s", step, exc)
+            return {"ok": False, "kind": "exists", "error": str(exc)}
         except Exception as exc:
             log.error("step %d rank 0: cannot commit: %s", step, exc)
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -513,3 +604,10 @@ class Checkpointer:
             except Exception:
                 log.exception("step %d rank 0: retention failed", info.step)
 
+
+class _Refused(Exception):
+    """The commit is known not to have happened (rank 0 said so); carries the error to report."""
+
+    def __init__(self, error: CheckpointError) -> None:
+        super().__init__(str(error))
+        self.error = error

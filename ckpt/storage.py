@@ -12,22 +12,28 @@ exclusive (without waiting), so a checkpoint being written or loaded on this hos
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from stalwart.ckpt.errors import CheckpointCorrupt, CheckpointNotFound
+from stalwart.ckpt.errors import CheckpointCorrupt, CheckpointError, CheckpointExists, CheckpointNotFound, UnsafePath
 from stalwart.ckpt.format import (
+    FENCE_NAME,
+    HEADER_SIZE,
     LOCK_NAME,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     VERIFIED_NAME,
     Manifest,
+    check_header,
     parse_manifest,
     parse_step_dir,
     step_dir_name,
@@ -45,13 +51,14 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(directory: str, name: str, data: bytes) -> None:
-    """Write ``directory/name`` so that readers see either nothing (or the old file) or all of it.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
-    Order: write a temporary file, fsync it, ``os.replace`` it over the name, fsync the directory.
-    """
+
+def _write_temp(directory: str, name: str, data: bytes) -> str:
+    """A fresh, fsynced temporary file next to ``name`` holding ``data`` (created with O_EXCL, so
+    a link planted at its path is refused, never followed); returns its path."""
     tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
     try:
         view = memoryview(data)
         while view:
@@ -63,8 +70,78 @@ def atomic_write(directory: str, name: str, data: bytes) -> None:
             os.unlink(tmp)
         raise
     os.close(fd)
-    os.replace(tmp, os.path.join(directory, name))
+    return tmp
+
+
+def atomic_write(directory: str, name: str, data: bytes) -> None:
+    """Write ``directory/name`` so that readers see either nothing (or the old file) or all of it.
+
+    Order: write a fresh temporary file, fsync it, ``os.replace`` it over the name (a link at the
+    name is replaced, not followed), fsync the directory.
+    """
+    tmp = _write_temp(directory, name, data)
+    try:
+        os.replace(tmp, os.path.join(directory, name))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(directory)
+
+
+def create_exclusive(directory: str, name: str, data: bytes) -> None:
+    """Like :func:`atomic_write`, but refuse (:class:`CheckpointExists`) if ``name`` exists: the
+    temporary file is hard-linked to the name, which fails atomically when it is taken. This is
+    what makes a commit happen once: of two writers of one step, the second is refused."""
+    tmp = _write_temp(directory, name, data)
+    target = os.path.join(directory, name)
+    try:
+        try:
+            os.link(tmp, target, follow_symlinks=False)
+        except FileExistsError:
+            raise CheckpointExists(f"{target} exists: another writer committed first") from None
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            # No hard links on this file system: the check and the rename are two steps.
+            if os.path.lexists(target):
+                raise CheckpointExists(f"{target} exists: another writer committed first") from None
+            os.rename(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    try:
+        fsync_dir(directory)
+    except BaseException:
+        os.unlink(target)  # not known durable: take it back, so the caller's failure is the truth
+        raise
+
+
+def ensure_step_dir(root: str, step: int) -> str:
+    """Create (or find) the directory of ``step`` and check it is a real directory directly under
+    ``root``: a link planted at its path would send every write elsewhere. Raises
+    :class:`UnsafePath`."""
+    path = step_path(root, step)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o755)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(f"{path} is not a directory (a link or a file); refusing to write through it")
+    return path
+
+
+def open_regular(path: str) -> int:
+    """Open ``path`` for reading only if it is a regular file reached without a link: a planted
+    link, FIFO or device in a checkpoint is refused (``OSError``), never followed or waited on."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def step_path(root: str, step: int) -> str:
@@ -98,12 +175,16 @@ def read_manifest(root: str, step: int) -> Manifest:
     """
     path = os.path.join(step_path(root, step), MANIFEST_NAME)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        fd = open_regular(path)
     except FileNotFoundError:
         raise CheckpointNotFound(f"no committed checkpoint for step {step} under {root}") from None
     except OSError as exc:
-        raise CheckpointCorrupt(f"cannot read manifest ({exc})", file=MANIFEST_NAME) from exc
+        raise CheckpointCorrupt(f"cannot read manifest ({exc.strerror or exc})", file=MANIFEST_NAME) from exc
+    try:
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointCorrupt(f"cannot read manifest ({exc.strerror or exc})", file=MANIFEST_NAME) from exc
     manifest = parse_manifest(data)
     if manifest.step != step:
         raise CheckpointCorrupt(f"manifest is for step {manifest.step}, directory for {step}", file=MANIFEST_NAME)
@@ -153,14 +234,78 @@ def mark_verified(step_dir: str, manifest_digest: str) -> None:
     atomic_write(step_dir, VERIFIED_NAME, body)
 
 
+def clear_verified(step_dir: str) -> None:
+    """Drop the verified mark (a verify failed): a defect found later must not stay hidden."""
+    path = os.path.join(step_dir, VERIFIED_NAME)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    fsync_dir(step_dir)
+
+
 def read_verified(step_dir: str) -> str | None:
     """The manifest digest recorded by :func:`mark_verified`, or ``None``."""
     try:
         with open(os.path.join(step_dir, VERIFIED_NAME), "rb") as f:
-            value = json.loads(f.read()).get("manifest_digest")
-    except (OSError, ValueError, AttributeError):
+            data = f.read(4096)
+        value = json.loads(data).get("manifest_digest")
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return value if isinstance(value, str) else None
+
+
+def check_intact(root: str, step: int) -> Manifest:
+    """The manifest of ``step`` if the checkpoint is structurally sound: the manifest passes every
+    check and each shard file has its size and an intact header. Reads no chunk, so it is cheap
+    enough for retention; only :func:`~stalwart.ckpt.verify.verify` reads every byte. Raises
+    :class:`CheckpointError` (corrupt, unsupported, gone)."""
+    manifest = read_manifest(root, step)
+    step_dir = step_path(root, step)
+    for name, record in manifest.files.items():
+        try:
+            fd = open_regular(os.path.join(step_dir, name))
+        except OSError as exc:
+            raise CheckpointCorrupt(f"shard file cannot be opened ({exc.strerror})", file=name) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size != record.size:
+                raise CheckpointCorrupt(f"file has {size} bytes, manifest says {record.size}", file=name)
+            header = os.pread(fd, HEADER_SIZE, 0)
+        finally:
+            os.close(fd)
+        check_header(header, file=name, rank=record.rank, world_size=manifest.world_size, step=manifest.step)
+    return manifest
+
+
+def read_fence(root: str) -> int | None:
+    """The highest fencing token that committed under ``root`` (``fence.json``), or ``None``."""
+    try:
+        with open(os.path.join(root, FENCE_NAME), "rb") as f:
+            value = json.loads(f.read(4096)).get("fence")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        raise CheckpointError(f"{root}/{FENCE_NAME} is unreadable ({exc}); remove it to reset fencing") from exc
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointError(f"{root}/{FENCE_NAME} holds no fencing token; remove it to reset fencing")
+    return value
+
+
+def write_fence(root: str, fence: int) -> None:
+    atomic_write(root, FENCE_NAME, json.dumps({"fence": fence, "updated_unix": time.time()}).encode())
+
+
+@contextlib.contextmanager
+def root_commit_lock(root: str) -> Iterator[None]:
+    """Serialize commits under ``root`` on this host (and on file systems with working flock), so
+    the fence check and the manifest link of one commit are not interleaved with another's."""
+    fd = os.open(os.path.join(root, ".commit.lock"), os.O_RDONLY | os.O_CREAT | _NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -169,7 +314,7 @@ def shared_lock(step_dir: str, *, create: bool) -> Iterator[None]:
 
     Raises :class:`CheckpointNotFound` if the directory is gone or was renamed by gc meanwhile.
     """
-    flags = os.O_RDONLY | (os.O_CREAT if create else 0)
+    flags = os.O_RDONLY | _NOFOLLOW | (os.O_CREAT if create else 0)
     lock_path = os.path.join(step_dir, LOCK_NAME)
     try:
         fd = os.open(lock_path, flags, 0o644)
@@ -177,7 +322,7 @@ def shared_lock(step_dir: str, *, create: bool) -> Iterator[None]:
         if not os.path.isdir(step_dir):
             raise CheckpointNotFound(f"{step_dir} no longer exists") from None
         try:
-            fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT, 0o644)
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | _NOFOLLOW, 0o644)
         except OSError as exc:
             if create:
                 raise
@@ -201,7 +346,7 @@ def shared_lock(step_dir: str, *, create: bool) -> Iterator[None]:
 def try_exclusive_lock(step_dir: str) -> int | None:
     """An fd holding ``step_dir``'s lock exclusively, or ``None`` if a writer or loader holds it."""
     try:
-        fd = os.open(os.path.join(step_dir, LOCK_NAME), os.O_RDONLY | os.O_CREAT, 0o644)
+        fd = os.open(os.path.join(step_dir, LOCK_NAME), os.O_RDONLY | os.O_CREAT | _NOFOLLOW, 0o644)
     except FileNotFoundError:
         return None
     try:

@@ -23,6 +23,7 @@ import xxhash
 
 log = logging.getLogger(__name__)
 _BLOCK = 4096
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 DirectIO = Literal["auto", "on", "off"]
 
@@ -36,6 +37,8 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
 class ShardWriter:
     """Append-only writer of one new file that also computes the xxh3-128 of everything written.
 
+    The file is created exclusively and never through a link (``O_EXCL | O_NOFOLLOW``): an
+    existing name raises ``FileExistsError``, so a writer only ever writes a file it created.
     ``direct``: ``auto`` tries O_DIRECT and falls back to buffered I/O if the file system refuses
     it, ``on`` requires it, ``off`` never uses it. Call :meth:`finish` (size, digest; durable on
     return) or :meth:`abort`.
@@ -64,7 +67,7 @@ class ShardWriter:
         return self._direct
 
     def _open(self) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
         if self._direct:
             try:
                 return os.open(self.path, flags | os.O_DIRECT, 0o644)
@@ -74,6 +77,17 @@ class ShardWriter:
                 log.info("%s: O_DIRECT refused, using buffered writes", self.path)
                 self._direct = False
         return os.open(self.path, flags, 0o644)
+
+    def _reopen_buffered(self) -> None:
+        """Open the file this writer created again without O_DIRECT, truncated; refuses if the
+        name no longer is that file."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | _NOFOLLOW)
+        old, new = os.fstat(self._fd), os.fstat(fd)
+        if (old.st_dev, old.st_ino) != (new.st_dev, new.st_ino):
+            os.close(fd)
+            raise OSError(errno.ESTALE, f"{self.path} was replaced while being written")
+        os.close(self._fd)
+        self._fd = fd
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append ``data``; the caller may reuse ``data`` as soon as this returns."""
@@ -117,9 +131,8 @@ class ShardWriter:
             if exc.errno != errno.EINVAL or self._required:
                 raise
             log.info("%s: O_DIRECT write refused, using buffered writes", self.path)
-            os.close(self._fd)
             self._direct = False
-            self._fd = self._open()
+            self._reopen_buffered()
             _write_all(self._fd, self._view[: self._fill])
             self._flushed = self._fill
             self._fill = 0
@@ -150,7 +163,12 @@ class ShardWriter:
         return self.size, self._hasher.hexdigest()
 
     def abort(self) -> None:
+        """Close without finishing and remove the file: a failed save leaves nothing behind."""
         self._close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
     def _close(self) -> None:
         if self._io is not None:

@@ -1,7 +1,9 @@
 """``stalwart ckpt``: list, verify, inspect and garbage-collect checkpoints under a root.
 
-Exit codes: 0 all good; 1 a checkpoint is corrupt or unreadable (verify, inspect); 3 no such
-checkpoint (or none at all).
+Exit codes: 0 all good; 1 a checkpoint is corrupt or unreadable (verify, inspect), or gc could not
+remove something (a read-only root); 2 bad usage or a bad ROOT (missing, not a directory, a step
+directory instead of the root); 3 no such checkpoint (or none at all). Results go to stdout; an
+error is one line on stderr, never a traceback.
 
 ``stalwart.ckpt`` (and so torch) is imported only when a ckpt action runs, so that other commands
 start fast.
@@ -10,11 +12,55 @@ start fast.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
+import re
 import sys
 import time
+from collections.abc import Callable
 
-EXIT_OK, EXIT_BAD, EXIT_NOT_FOUND = 0, 1, 3
+EXIT_OK, EXIT_BAD, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
+_STEP_DIR = re.compile(r"step-(\d{12})")
+
+
+def _error(message: str) -> None:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+
+
+def _root_problem(root: str) -> str | None:
+    """Why ``root`` cannot be a checkpoint root, with a hint when it is a step directory."""
+    if not os.path.exists(root):
+        return f"{root} does not exist"
+    if not os.path.isdir(root):
+        return f"{root} is not a directory"
+    path = os.path.abspath(root)
+    match = _STEP_DIR.fullmatch(os.path.basename(path))
+    if match or os.path.exists(os.path.join(path, "manifest.json")):
+        step = f" {int(match.group(1))}" if match else ""
+        return (f"{root} is a checkpoint's step directory, not the checkpoint root; "
+                f"hint: pass its parent, e.g. {os.path.dirname(path)}{step}")
+    return None
+
+
+def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Validate ROOT first, and turn any checkpoint or file-system error into one line on stderr."""
+
+    @functools.wraps(run)
+    def wrapper(args: argparse.Namespace) -> int:
+        from stalwart.ckpt import CheckpointError
+
+        problem = _root_problem(args.root)
+        if problem:
+            _error(problem)
+            return EXIT_USAGE
+        try:
+            return run(args)
+        except (CheckpointError, OSError) as exc:
+            _error(f"{type(exc).__name__}: {exc}")
+            return EXIT_BAD
+
+    return wrapper
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls = cmds.add_parser("list", help="checkpoints under ROOT, oldest first")
     ls.add_argument("root")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
-    ls.set_defaults(func=run_list)
+    ls.set_defaults(func=_guarded(run_list))
 
     ver = cmds.add_parser("verify", help="read every chunk and check every checksum (exit 1 if any fails)")
     ver.add_argument("root")
@@ -32,13 +78,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     ver.add_argument("--no-mark", action="store_true", help="do not record a successful verify")
     ver.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                      help="progress lines on stderr: auto shows them once a verify takes over a second")
-    ver.set_defaults(func=run_verify)
+    ver.set_defaults(func=_guarded(run_verify))
 
     ins = cmds.add_parser("inspect", help="tensors, layouts, sizes and compression ratio of one checkpoint")
     ins.add_argument("root")
     ins.add_argument("step", type=int)
     ins.add_argument("--json", action="store_true", help="machine-readable output")
-    ins.set_defaults(func=run_inspect)
+    ins.set_defaults(func=_guarded(run_inspect))
 
     gc = cmds.add_parser("gc", help="remove checkpoints outside the retention policy and unfinished saves")
     gc.add_argument("root")
@@ -47,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     gc.add_argument("--grace-s", type=float, default=3600.0,
                     help="unfinished saves newer than every commit are kept this long (default 3600)")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    gc.set_defaults(func=run_gc)
+    gc.set_defaults(func=_guarded(run_gc))
 
 
 def _size(n: float) -> str:
@@ -83,7 +129,7 @@ def run_list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return EXIT_OK if rows else EXIT_NOT_FOUND
     if not rows:
-        print(f"no checkpoints under {args.root}")
+        _error(f"no checkpoints under {args.root}")
         return EXIT_NOT_FOUND
     print(f"{'step':>12}  {'state':<24} {'verified':<8} {'world':>5} {'size':>10} {'on disk':>10}")
     for r in rows:
@@ -122,14 +168,14 @@ def run_verify(args: argparse.Namespace) -> int:
     else:
         steps = [c.step for c in list_checkpoints(args.root) if c.committed]
         if not steps:
-            print(f"no committed checkpoints under {args.root}")
+            _error(f"no committed checkpoints under {args.root}")
             return EXIT_NOT_FOUND
     worst = EXIT_OK
     for step in steps:
         try:
             report = verify(args.root, step, progress=_Progress(step, args.progress), mark=not args.no_mark)
         except CheckpointNotFound as exc:
-            print(f"step {step}: NOT FOUND: {exc}")
+            _error(f"step {step}: not found: {exc}")
             worst = max(worst, EXIT_NOT_FOUND)
             continue
         if report.ok:
@@ -148,10 +194,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         summary = inspect(args.root, args.step)
     except CheckpointNotFound as exc:
-        print(f"not found: {exc}")
+        _error(f"not found: {exc}")
         return EXIT_NOT_FOUND
     except CheckpointError as exc:
-        print(f"{type(exc).__name__}: {exc}")
+        _error(f"{type(exc).__name__}: {exc}")
         return EXIT_BAD
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -181,13 +227,19 @@ def run_gc(args: argparse.Namespace) -> int:
     try:
         policy = RetentionPolicy(args.keep_last, args.keep_every, args.grace_s)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        _error(str(exc))
+        return EXIT_USAGE
     report = collect_garbage(args.root, policy, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     print(f"{verb} committed: {report.removed or 'none'}")
     print(f"{verb} unfinished: {report.garbage_removed or 'none'}")
     if report.busy:
         print(f"in use, kept: {report.busy}")
+    if report.damaged:
+        print(f"damaged, kept and not counted: {[step for step, _ in report.damaged]}")
     print(f"kept: {report.kept or 'none'}")
+    if report.errors:
+        steps = ", ".join(str(step) for step, _ in report.errors)
+        _error(f"cannot remove step(s) {steps} under {args.root}: {report.errors[0][1]}")
+        return EXIT_BAD
     return EXIT_OK
