@@ -3,7 +3,9 @@
 Also home of the etcd connection flags shared by the commands that talk to etcd directly
 (``status``, ``cordon``, ``uncordon``).
 
-Exit codes: 0 shown; 1 etcd could not be read; 2 bad arguments.
+Exit codes: 0 shown; 1 etcd could not be read; 2 bad arguments; 3 shown, but no daemon leads the
+job (no round opens, shrinks or regrows; the text says so on the ``leader:`` line, the JSON has
+``"leading": false``), or etcd holds nothing of the job at all (a mistyped ``--job``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import os
 import sys
 
-EXIT_OK, EXIT_ETCD, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_ETCD, EXIT_USAGE, EXIT_NO_LEADER = 0, 1, 2, 3
 PASSWORD_ENV = "STALWART_ETCD_PASSWORD"
 
 
@@ -27,17 +29,21 @@ def add_etcd_arguments(p: argparse.ArgumentParser, *, job_required: bool = True)
     p.add_argument("--cert-file", help="client certificate for mutual TLS")
     p.add_argument("--key-file", help="client key for mutual TLS")
     p.add_argument("--user", help=f"etcd user (password from ${PASSWORD_ENV} or --password)")
-    p.add_argument("--password", help=f"etcd password (prefer ${PASSWORD_ENV}: flags show in ps)")
+    p.add_argument("--password", help=f"etcd password (prefer ${PASSWORD_ENV} or --password-file: flags show in ps)")
+    p.add_argument("--password-file", help="file holding the etcd password")
 
 
 def etcd_config(args: argparse.Namespace):  # -> EtcdConfig (imported lazily: fast --help)
     from stalwart.coord.config import EtcdConfig
 
-    password = args.password if args.password is not None else os.environ.get(PASSWORD_ENV)
+    password = args.password
+    if password is None and args.password_file is None:
+        password = os.environ.get(PASSWORD_ENV)
     return EtcdConfig(endpoints=args.endpoints, timeout=args.etcd_timeout,
                       attempt_timeout=min(2.0, args.etcd_timeout), ca_file=args.ca_file,
                       cert_file=args.cert_file, key_file=args.key_file, user=args.user,
-                      password=password if args.user else None)
+                      password=password if args.user else None,
+                      password_file=args.password_file if args.user else None)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,4 +76,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(status.to_dict(), indent=2))
     else:
         print(format_table(status))
-    return EXIT_OK
+    if not status.exists:
+        print(f"stalwart status: job {args.job!r} has nothing in etcd (a typo?)", file=sys.stderr)
+        return EXIT_NO_LEADER
+    return EXIT_OK if status.leading else EXIT_NO_LEADER
