@@ -25,12 +25,15 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
     echo "setup: installing torch==2.13.0"
     .venv/bin/pip install -q torch==2.13.0
 fi
-if ! .venv/bin/python -c 'import stalwart.cli, pytest_timeout' 2>/dev/null \
+if ! .venv/bin/python -c 'import stalwart.cli, pytest_timeout, importlinter, mypy' 2>/dev/null \
+   || [ ! -x .venv/bin/ruff ] \
    || [ pyproject.toml -nt .venv/.stalwart-installed ] || [ constraints.txt -nt .venv/.stalwart-installed ]; then
     echo "setup: installing stalwart and its dependencies"
     .venv/bin/pip install -q -c constraints.txt -e '.[test]'
     touch .venv/.stalwart-installed
 fi
+# mypy cannot follow the editable install's import hook: it finds stalwart.* through links.
+.venv/bin/python scripts/typecheck_tree.py >/dev/null
 # DeepSpeed on the CPU compiles C++ ops on first use (minutes on 2 cores). Build the ones every
 # run and test needs once, into .venv/torch_extensions, which tests and the demo use.
 export TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions"
