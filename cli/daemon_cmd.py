@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -93,16 +94,33 @@ def overrides_from(args: argparse.Namespace, environ: typing.Mapping[str, str] |
     return out
 
 
+_ABOUT_ROUND = re.compile(r"^round (\d+)\b")
+_ABOUT_NODE = re.compile(r"\bnode ([A-Za-z0-9][A-Za-z0-9._-]*):")
+
+
 class _RoundContext(logging.Filter):
-    """Puts the daemon's current round into every log record that does not carry one."""
+    """Gives every log record that does not carry them the round (and node) it is about.
+
+    A message that begins "round N" is about round N, even while the daemon's newest round is
+    still N-1 (the machine logs its decision before the loop writes it); one that names
+    "node X:" is about node X. Anything else gets the daemon's newest round.
+    """
 
     def __init__(self, daemon: object) -> None:
         super().__init__()
         self._daemon = daemon
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if hasattr(record, "round") and hasattr(record, "node"):
+            return True
+        message = record.getMessage()
         if not hasattr(record, "round"):
-            record.round = self._daemon.round_number  # type: ignore[attr-defined]
+            about = _ABOUT_ROUND.match(message)
+            record.round = int(about.group(1)) if about else self._daemon.round_number  # type: ignore[attr-defined]
+        if not hasattr(record, "node"):
+            node = _ABOUT_NODE.search(message)
+            if node:
+                record.node = node.group(1)
         return True
 
 

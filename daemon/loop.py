@@ -309,7 +309,7 @@ class Daemon:
                 self._decided(term, "open", d.number)
                 log.info("round %d: opened with %d nodes (%d workers), restore step %s: %s", d.number,
                          d.world_size, sum(m.devices for m in d.members), d.restore_step, d.reason,
-                         extra={"round": d.number, "node": d.master_addr})
+                         extra={"round": d.number})
                 term.pending_status = ""
             elif isinstance(d, CloseRound):
                 value = codec.encode_closed(term.round_value, d, self.settings.daemon_id, self._wall())
