@@ -93,7 +93,7 @@ class EtcdConfig:
         if self.password_file is not None:
             if self.password is not None:
                 raise EtcdConfigError("etcd auth: give password or password_file, not both")
-            object.__setattr__(self, "password", _read_secret(self.password_file))
+            object.__setattr__(self, "password", read_secret(self.password_file))
         if isinstance(self.endpoints, str):
             object.__setattr__(self, "endpoints", tuple(e for e in self.endpoints.split(",") if e.strip()))
         else:
@@ -142,7 +142,8 @@ def with_env_password(table: Mapping[str, Any], environ: Mapping[str, str] | Non
     return out
 
 
-def _read_secret(path: str) -> str:
+def read_secret(path: str) -> str:
+    """A secret kept in a file (one line; the trailing newline is not part of it)."""
     try:
         with open(path, encoding="utf-8") as f:
             secret = f.read().rstrip("\r\n")
