@@ -4,7 +4,9 @@ Three pieces, registered under torch's ``torchrun.handlers`` entry-point group:
 
 - :class:`EtcdRendezvousBackend` — torch's two-method ``RendezvousBackend``: the rendezvous state
   is one etcd key and the fencing token is that key's mod revision, so ``set_state`` is a
-  compare-and-swap (create-if-absent when there is no token).
+  compare-and-swap (create-if-absent when there is no token). The stored value is framed (magic,
+  length, checksum), so a damaged or foreign value raises ``RendezvousStateError`` as torch's
+  contract requires, instead of reaching torch's unpickler.
 - :class:`EtcdStore` — a ``torch.distributed.Store`` on etcd keys, used by torch's elastic agent
   for the per-round bootstrap (master address, rank assignment, exit barrier).
 - :class:`StalwartRendezvousHandler` — wraps torch's ``DynamicRendezvousHandler`` and changes two
@@ -17,9 +19,12 @@ Three pieces, registered under torch's ``torchrun.handlers`` entry-point group:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,6 +64,27 @@ log = logging.getLogger(__name__)
 DEFAULTS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 2}
 _STORE_TIMEOUT = timedelta(seconds=300)
 
+STATE_MAGIC = b"STWRDZV1"
+_FRAME = struct.Struct("<8sQ16s")  # magic, payload length, blake2b-128 of the payload
+
+
+def frame_state(state: bytes) -> bytes:
+    """The stored form of a rendezvous state: magic, length and checksum, then the state."""
+    return _FRAME.pack(STATE_MAGIC, len(state), hashlib.blake2b(state, digest_size=16).digest()) + state
+
+
+def unframe_state(value: bytes, key: str) -> bytes:
+    """The state inside a stored value; ``RendezvousStateError`` if it is not intact."""
+    if len(value) < _FRAME.size:
+        raise RendezvousStateError(f"stalwart rendezvous: the state at {key} is truncated or not ours")
+    magic, length, digest = _FRAME.unpack_from(value)
+    state = value[_FRAME.size :]
+    if magic != STATE_MAGIC:
+        raise RendezvousStateError(f"stalwart rendezvous: the state at {key} is not a stalwart state")
+    if length != len(state) or hashlib.blake2b(state, digest_size=16).digest() != digest:
+        raise RendezvousStateError(f"stalwart rendezvous: the state at {key} is corrupt (length or checksum)")
+    return state
+
 
 class EtcdRendezvousBackend(RendezvousBackend):
     """Rendezvous state in one etcd key; the fencing token is its mod revision."""
@@ -72,9 +98,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return "stalwart"
 
     def get_state(self) -> tuple[bytes, Token] | None:
+        """The state and its token, ``None`` if there is none; ``RendezvousStateError`` if it is
+        corrupt."""
         with _etcd_errors():
             kv = self._client.get(self._key)
-        return None if kv is None else (kv.value, kv.mod_revision)
+        return None if kv is None else (unframe_state(kv.value, self._key), kv.mod_revision)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """Write ``state`` if ``token`` is still current (no token: only if no state exists).
@@ -88,16 +116,17 @@ class EtcdRendezvousBackend(RendezvousBackend):
             except (TypeError, ValueError):
                 token = -1  # a token not of ours can never be current
         guard = absent(self._key) if not token else mod_revision_is(self._key, token)
+        stored = frame_state(state)
         with _etcd_errors():
-            res = self._client.txn([guard], [Put(self._key, state)], [Get(self._key)])
+            res = self._client.txn([guard], [Put(self._key, stored)], [Get(self._key)])
         if res.succeeded:
             return state, res.revision, True  # our write's mod revision is the txn's revision
         current = res.gets[0] if res.gets else ()
         if not current:
             return None
-        if res.attempts > 1 and current[0].value == state:
+        if res.attempts > 1 and current[0].value == stored:
             return state, current[0].mod_revision, True  # an earlier try of this call was applied
-        return current[0].value, current[0].mod_revision, False
+        return unframe_state(current[0].value, self._key), current[0].mod_revision, False
 
 
 class EtcdStore(Store):
@@ -148,22 +177,50 @@ class EtcdStore(Store):
         with _etcd_errors():
             while True:
                 kv = self._client.get(full)
-                new = (int(kv.value) if kv is not None else 0) + num
+                new = (_counter(kv.value) if kv is not None else 0) + num
                 # The value alone is not unique to this writer, so compare revisions, not values.
                 guard = absent(full) if kv is None else mod_revision_is(full, kv.mod_revision)
                 if self._client.txn([guard], [Put(full, str(new).encode())]).succeeded:
                     return new
 
+    def append(self, key: str, value: Any) -> None:
+        """Append to the key's value (creating it), atomically. torch's generic fallback is a
+        compare_set loop that stops early when the old value equals the appended bytes."""
+        full, tail = self._key(key), self._bytes(value)
+        with _etcd_errors():
+            while True:
+                kv = self._client.get(full)
+                guard = absent(full) if kv is None else mod_revision_is(full, kv.mod_revision)
+                new = (kv.value if kv is not None else b"") + tail
+                if self._client.txn([guard], [Put(full, new)]).succeeded:
+                    return
+
     def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        """torch's semantics: swap when the value equals ``expected`` — an empty ``expected`` also
+        matches a missing key — and return the value now stored; a missing key with another
+        ``expected`` returns ``expected``. etcd cannot compare a missing key's value, so an empty
+        ``expected`` is tried as "absent", then as "present and empty" at that revision."""
         full = self._key(key)
         expected, desired = self._bytes(expected_value), self._bytes(desired_value)
-        guard = absent(full) if expected == b"" else value_is(full, expected)
         with _etcd_errors():
-            res = self._client.txn([guard], [Put(full, desired)], [Get(full)])
-        if res.succeeded:
-            return desired
-        current = res.gets[0] if res.gets else ()
-        return current[0].value if current else expected
+            if expected != b"":
+                res = self._client.txn([value_is(full, expected)], [Put(full, desired)], [Get(full)])
+                if res.succeeded:
+                    return desired
+                current = res.gets[0] if res.gets else ()
+                return current[0].value if current else expected
+            guard = absent(full)
+            while True:
+                res = self._client.txn([guard], [Put(full, desired)], [Get(full)])
+                if res.succeeded:
+                    return desired
+                current = res.gets[0] if res.gets else ()
+                if not current:
+                    guard = absent(full)  # deleted meanwhile
+                elif current[0].value == b"":
+                    guard = mod_revision_is(full, current[0].mod_revision)
+                else:
+                    return current[0].value
 
     def check(self, keys: list[str]) -> bool:
         with _etcd_errors():
@@ -194,6 +251,20 @@ class EtcdStore(Store):
                             f"stalwart store: timed out after {limit:g} s waiting for {sorted(missing)}")
                     events = watch.get(timeout=min(left, 1.0))
                     missing -= {e.key for e in events if e.type is EventType.PUT}
+
+
+_LEADING_INT = re.compile(rb"\s*[+-]?\d+")
+
+
+def _counter(value: bytes) -> int:
+    """A counter's value as torch's stores read it (C++ ``stoll``): empty is 0, a leading integer
+    counts and the rest is ignored; anything else raises ``ValueError``."""
+    if not value:
+        return 0
+    match = _LEADING_INT.match(value)
+    if match is None:
+        raise ValueError(f"stalwart store: {value[:40]!r} is not a counter")
+    return int(match.group())
 
 
 @contextmanager
