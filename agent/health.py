@@ -112,6 +112,10 @@ class FakeProbe:
         pass
 
 
+class ProbeUnavailable(RuntimeError):
+    """The health probe asked for cannot run here (no NVML library, no nvidia-ml-py)."""
+
+
 class NvmlProbe:
     """Reads NVML (the ``nvidia-ml-py`` package): Xid events, volatile double-bit ECC counts,
     pending page retirement and row remapping failures, and lost GPUs.
@@ -123,7 +127,11 @@ class NvmlProbe:
     name = "nvml"
 
     def __init__(self) -> None:
-        import pynvml  # imported here: only GPU machines need it
+        try:
+            import pynvml  # imported here: only GPU machines need it (the optional stalwart[gpu])
+        except ImportError:
+            raise ProbeUnavailable("the NVML probe needs the nvidia-ml-py package: "
+                                   "pip install 'stalwart[gpu]'") from None
 
         self._nvml: Any = pynvml
         pynvml.nvmlInit()
@@ -221,7 +229,7 @@ def make_probe(kind: str, devices: int) -> HealthProbe:
             return NvmlProbe()
         except Exception as exc:
             if kind == "nvml":
-                raise RuntimeError(f"health probe 'nvml' unavailable: {exc}") from exc
+                raise ProbeUnavailable(f"probe = \"nvml\": unavailable: {exc}") from exc
             log.info("no NVML (%s); using the fake health probe", exc)
             return FakeProbe(devices)
     raise ValueError(f"unknown health probe {kind!r}; use nvml, fake or auto")

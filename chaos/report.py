@@ -8,9 +8,12 @@ long each fault cost.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -169,8 +172,16 @@ def markdown(report: RunReport, picture: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+class MissingExtra(RuntimeError):
+    """An optional dependency is not installed; the message says which extra brings it."""
+
+
 def plot(report: RunReport, path: Path) -> None:
-    import matplotlib
+    """The timeline picture; needs matplotlib (the optional ``stalwart[chaos]``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingExtra("the timeline picture needs matplotlib: pip install 'stalwart[chaos]'") from None
 
     matplotlib.use("Agg")  # no display: render to a file
     import matplotlib.pyplot as plt
@@ -217,10 +228,15 @@ def plot(report: RunReport, path: Path) -> None:
 
 
 def write(report: RunReport, out_dir: Path) -> dict[str, Path]:
-    """Write ``report.json``, ``report.md`` and ``timeline.png`` into ``out_dir``."""
+    """Write ``report.json``, ``report.md`` and ``timeline.png`` into ``out_dir``; without
+    matplotlib the picture is left out (with a warning) and ``paths`` has no ``"picture"``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "report.json", "markdown": out_dir / "report.md", "picture": out_dir / "timeline.png"}
-    plot(report, paths["picture"])
+    try:
+        plot(report, paths["picture"])
+    except MissingExtra as exc:
+        log.warning("%s; writing the report without it", exc)
+        del paths["picture"]
     paths["json"].write_text(json.dumps(report.to_json(), indent=2))
-    paths["markdown"].write_text(markdown(report, paths["picture"].name))
+    paths["markdown"].write_text(markdown(report, paths["picture"].name if "picture" in paths else ""))
     return paths

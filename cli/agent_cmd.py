@@ -76,9 +76,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     for line in warnings:
         log.warning("%s", line, extra={"node": config.node_id})
+    from stalwart.agent.health import ProbeUnavailable
     from stalwart.agent.node import NodeAgent  # after validation: a bad config costs no imports
 
-    agent = NodeAgent(config)
+    try:
+        agent = NodeAgent(config)
+    except ProbeUnavailable as exc:
+        return _fail(exc, EXIT_CONFIG)
     stop = threading.Event()
     started = threading.Event()
 

@@ -77,7 +77,7 @@ def run_scenario(args: argparse.Namespace) -> int:
     for note in report.notes:
         print(f"  note: {note}")
     print(f"\nresult: {'PASSED' if report.passed else 'FAILED'} in {report.wall_s:.0f} s, goodput {report.goodput:.0%}")
-    print(f"report: {paths['markdown']}\npicture: {paths['picture']}")
+    print(f"report: {paths['markdown']}\npicture: {paths.get('picture', '- (needs stalwart[chaos])')}")
     return 0 if report.passed else 1
 
 
