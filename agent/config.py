@@ -107,7 +107,9 @@ class AgentConfig:
     # In-place re-form: at a new round keep live, healthy workers that can re-form (their trainer
     # set a re-form handler) and send them their new rank, instead of restarting every worker.
     reform_in_place: bool = True
-    reform_timeout: float = 10.0  # seconds a kept worker or spare has to acknowledge a re-form, else SIGKILL
+    # seconds a kept worker or spare has to begin its re-form (leave its old world), else SIGKILL; more
+    # than the trainer's collective timeout (30 s), which a survivor blocked on a lost peer waits out first
+    reform_timeout: float = 40.0
     # Warm spares per node: processes of the same command started with STALWART_SPARE=1 that import
     # and build everything, then wait for a rank. 0 by default: a command must support spares
     # (AgentClient.wait_for_assignment), and each spare costs a process's memory.

@@ -13,10 +13,12 @@ the daemon's decision alone.
   kept too: it is most likely blocked in a collective with the rank that really hung, which is
   stopped, or dead, and is replaced.
 - **A re-form that takes long** (:func:`overdue_reform`): a worker told to re-form that has not
-  acknowledged after ``reform_timeout`` is killed only if its process is stopped or has lost its
-  channel to the agent; one that is running and connected is waiting for its peers (a joiner
-  still warming up, a survivor finishing its step), so it waits on. A newer round supersedes the
-  re-form; the trainer's own join deadline is the last backstop.
+  acknowledged after ``reform_timeout`` is killed if its process is stopped, has lost its channel
+  to the agent, or never said it began (left its old world); one that said so waits for its peers
+  (a joiner still warming up, a survivor finishing its step), so it waits on, however long. A
+  newer round supersedes the re-form; the trainer's own join deadline is the last backstop.
+  ``reform_timeout`` must exceed the collective timeout: a survivor blocked in a collective with a
+  lost peer begins only once that collective gives up.
 - **When spares start** (:func:`spares_may_start`): not while a worker of this node is still
   starting or re-forming (before its first step of the round): on a node's few CPU cores a spare
   importing torch beside it only slows the step the whole world waits for. A node warming to
@@ -85,16 +87,19 @@ class Overdue:
     why: str
 
 
-def overdue_reform(proc: ProcState, connected: bool, waited: float) -> Overdue:
+def overdue_reform(proc: ProcState, connected: bool, waited: float, joining: bool) -> Overdue:
     """What to do with a worker whose re-form is not acknowledged ``waited`` seconds after the
-    Reform was sent and past ``reform_timeout`` (see the module docstring)."""
+    Reform was sent and past ``reform_timeout`` (see the module docstring). ``joining``: it said it
+    left its old world and waits for its new round's peers."""
     if proc is ProcState.EXITED:
         return Overdue(False, "exited (its exit is handled as such)")
     if proc is ProcState.STOPPED:
         return Overdue(True, f"stopped (SIGSTOP) and not re-formed after {waited:.1f} s")
     if not connected:
         return Overdue(True, f"lost its channel to the agent and not re-formed after {waited:.1f} s")
-    return Overdue(False, f"running and connected, still joining after {waited:.1f} s: waiting for its peers")
+    if not joining:
+        return Overdue(True, f"did not begin its re-form within {waited:.1f} s")
+    return Overdue(False, f"joining for {waited:.1f} s: waiting for its peers")
 
 
 @dataclass(frozen=True)

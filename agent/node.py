@@ -20,6 +20,7 @@ false`` every round change stops all workers and starts new ones.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import signal
@@ -36,20 +37,36 @@ import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stalwart.agent.config import AgentConfig
+from stalwart.agent.core import (
+    JoinFacts,
+    ProcState,
+    WorkerFacts,
+    join_readiness,
+    keep_verdict,
+    overdue_reform,
+    spares_may_start,
+)
 from stalwart.agent.health import FakeProbe, Finding, HealthProbe, Severity, make_probe, verdict
 from stalwart.agent.metrics import AgentMetrics
-from stalwart.agent.service import (FaultRefused, HelloEvent, StepEvent, WorkerChannels, health_state,
-                                    start_node_server, start_progress_server)
+from stalwart.agent.service import (
+    FaultRefused,
+    HelloEvent,
+    StepEvent,
+    WorkerChannels,
+    health_state,
+    start_node_server,
+    start_progress_server,
+)
 from stalwart.agent.spares import SparePool
 from stalwart.agent.stall import StallDetector, StallPolicy
 from stalwart.agent.stragglers import slower_than_others
 from stalwart.agent.throttle import Throttle, ThrottleSpec
-from stalwart.agent.workers import (ExitKind, RoundAssignment, Worker, WorkerExit, WorkerGroup, start_spare,
-                                    stop_workers)
+from stalwart.agent.workers import ExitKind, RoundAssignment, Worker, WorkerExit, WorkerGroup, start_spare, stop_workers
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.errors import CoordError, EtcdUnavailable
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.lease import Lease
+from stalwart.coord.txn import Put
 from stalwart.coord.watch import EventType, Watch
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
 from stalwart.proto.contract import ENV_SOCKET
@@ -79,6 +96,7 @@ class _PendingReform:
     rank: int
     sent: float  # monotonic
     deadline: float
+    joining: bool = False  # the worker said it left its old world and waits for its new peers
 
 
 @dataclass
@@ -88,6 +106,8 @@ class _State:
     exits: list[WorkerExit] = field(default_factory=list)
     worker_findings: list[Finding] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)
+    lost_peers: set[str] = field(default_factory=set)  # members of lost_peers_round our workers lost
+    lost_peers_round: int = 0
     progress: dict[int, _Progress] = field(default_factory=dict)
     draining: bool = False
     restarts: int = 0
@@ -96,6 +116,8 @@ class _State:
     pending: dict[int, _PendingReform] = field(default_factory=dict)  # by pid
     can_reform: set[int] = field(default_factory=set)  # pids whose Hello said they handle Reform
     replacing_since: float | None = None  # a worker died with no ready spare: warming replacements
+    warming_since: float | None = None  # outside the round, warming a spare per worker before joining
+    seen_round: records_pb2.RoundRecord | None = None  # the newest round read, applied or not yet
 
 
 class NodeAgent:
@@ -151,6 +173,13 @@ class NodeAgent:
             self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_bind_host)
         if cancel is not None and not self._wait_for_etcd(cancel):
             return False
+        kv = self.client.get(self.keys.round)
+        if kv is not None:
+            try:
+                self._state.seen_round = records_pb2.RoundRecord.FromString(kv.value)
+            except Exception:  # a malformed round is reported when it is applied
+                pass
+            self._update_readiness()
         self._register()
         self._watch = self._read_and_watch_round()
         threading.Thread(target=self._follow_rounds, daemon=True, name="agent-rounds").start()
@@ -182,9 +211,14 @@ class NodeAgent:
             hostname=socket.gethostname(), registered_at=time.time(), cordoned=self._state.draining,
             versions={name: _version(name) for name in ("stalwart", "torch", "deepspeed")},
         )
-        self.client.put(self.keys.node(self.config.node_id), record.SerializeToString(), lease=lease.id)
         self._lease = lease
-        self._publish_health(force=True)
+        # One transaction: the daemon sees the node and whether it is ready to join (its health
+        # record's ``replacing``) in the same watch event, never the node alone.
+        health = self._health_record()
+        self._last_health = health.SerializeToString()
+        health.checked_at = time.time()
+        self.client.txn([], [Put(self.keys.node(self.config.node_id), record.SerializeToString(), lease.id),
+                             Put(self.keys.health(self.config.node_id), health.SerializeToString(), lease.id)])
 
     def run(self) -> None:
         """The main loop; returns after :meth:`shutdown`."""
@@ -205,7 +239,7 @@ class NodeAgent:
                     log.error("agent %s: lease lost (%s); registering again", self.config.node_id, payload)
                     self._register()
                 elif kind == "stop-workers":
-                    self._stop_workers(str(payload))
+                    self._stop_workers(str(payload), wait=True)
                     if self._state.draining:
                         self.spare_pool.paused = True
                         self.spare_pool.stop_all(self.config.stop_grace)
@@ -217,7 +251,7 @@ class NodeAgent:
                 log.error("agent %s: etcd: %s", self.config.node_id, exc)
             except Exception:
                 log.exception("agent %s: main loop error", self.config.node_id)
-        self._stop_workers("agent shutting down")
+        self._stop_workers("agent shutting down", wait=True)
         self.spare_pool.paused = True
         self.spare_pool.stop_all(self.config.stop_grace)
 
@@ -297,6 +331,9 @@ class NodeAgent:
                 return  # old news; the one change a round number can see is being closed
         mine = [m for m in record.members if m.node_id == self.config.node_id]
         with self._lock:
+            self._state.seen_round = record
+        self._update_readiness()
+        with self._lock:
             self._state.worker_findings = []  # they were about the round that just ended
             self._state.gave_up = ""
             if mine and self._state.replacing_since is not None:
@@ -343,34 +380,22 @@ class NodeAgent:
     def _unfit(self, w: Worker, assignment: RoundAssignment, connected: dict[int, int],
                spare_streams: set[int]) -> tuple[str, bool] | None:
         """Why ``w`` cannot be kept for the new round, and whether it is unhealthy (killed at
-        once rather than given its SIGTERM grace); None when it is kept. Caller holds the lock."""
-        if not w.running or w.stopping:
-            return "not running", True
-        if w.local_rank >= assignment.local_world_size:
-            return f"local rank {w.local_rank} is not in the new round", False
+        once rather than given its SIGTERM grace); None when it is kept (``core.keep_verdict``).
+        Caller holds the lock."""
         # A spare told to re-form in the round before keeps its spare stream until it acknowledges.
         reforming = w.pid in self._state.pending and w.pid in spare_streams
-        if connected.get(w.local_rank) != w.pid and not reforming:
-            return "not connected to the agent", True
-        if self.stalls.stalled(w.rank):
-            return "stalled", True
-        try:
-            status = psutil.Process(w.pid).status()
-        except psutil.NoSuchProcess:
-            return "gone", True
-        if status == psutil.STATUS_STOPPED:
-            return "stopped (SIGSTOP)", True
-        if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-            return "exited", True
-        if w.pid not in self._state.can_reform and not reforming:
-            return "cannot re-form in place (no re-form handler)", False
-        return None
+        verdict = keep_verdict(WorkerFacts(
+            running=w.running, stopping=w.stopping, local_rank=w.local_rank,
+            connected=connected.get(w.local_rank) == w.pid, reforming=reforming,
+            stalled=self.stalls.stalled(w.rank), proc=self._proc_state(w.local_rank, w.pid) if w.running
+            else ProcState.EXITED,
+            can_reform=w.pid in self._state.can_reform), assignment.local_world_size)
+        return None if verdict.keep else (verdict.why, verdict.unhealthy)
 
     def _join_in_place(self, record: records_pb2.RoundRecord, assignment: RoundAssignment) -> None:
         """Re-form into ``record``: Reform to kept workers first (the fast path), then spares into
         empty local ranks, then stop what is left of the old round, then start new processes."""
         node, now = self.config.node_id, time.monotonic()
-        self._clear_throttles()  # an injected slow-down ends with the round (and leaves the process running)
         connected, spare_streams = self.channels.connected(), self.channels.spares()
         keep: dict[int, Worker] = {}
         drop: list[tuple[Worker, str, bool]] = []
@@ -391,6 +416,9 @@ class NodeAgent:
             self._state.round = record
             self._state.progress = {}
             self._state.worker_findings = []
+        # An injected slow-down stays with a kept process (a slow device stays slow in the next
+        # round) and ends with any other.
+        self._clear_throttles(keep={lr: w.pid for lr, w in keep.items()})
         log.info("agent %s: round %d: keeping %d worker(s) in place, %d to stop, %d to fill", node, record.number,
                  len(keep), len(drop), len(group.missing()), extra={"node": node, "round": record.number})
         for w in list(keep.values()):
@@ -402,11 +430,11 @@ class NodeAgent:
             if spare is None:
                 break
             self._adopt_spare(group, lr, spare, record, now)
-        for w, why, unhealthy in drop:
+        for w, why, _ in drop:
             log.info("agent %s: round %d: stopping rank %d (pid %d): %s", node, record.number, w.rank, w.pid, why,
                      extra={"node": node, "rank": w.rank, "round": record.number})
-        stop_workers([w for w, _, unhealthy in drop if unhealthy], 0.0)
-        stop_workers([w for w, _, unhealthy in drop if not unhealthy], self.config.stop_grace)
+        self._stop_in_background([w for w, _, unhealthy in drop if unhealthy], 0.0)
+        self._stop_in_background([w for w, _, unhealthy in drop if not unhealthy], self.config.stop_grace)
         for lr in group.missing():
             spawned = group.spawn(lr)
             with self._lock:
@@ -474,21 +502,41 @@ class NodeAgent:
             with self._lock:
                 self.stalls.started(spawned.rank, now)
 
+    def _proc_state(self, local_rank: int, pid: int) -> ProcState:
+        """The process's state, where a slow-down injected on purpose (stopped in short bursts)
+        counts as running."""
+        state = _proc_state(pid)
+        throttle = self._throttles.get(local_rank)
+        if state is ProcState.STOPPED and throttle is not None and throttle.pgid == pid and throttle.alive:
+            return ProcState.RUNNING
+        return state
+
     def _check_reforms(self, now: float) -> None:
-        """Kill workers that did not acknowledge their re-form in time; the main loop refills."""
+        """Workers whose re-form is overdue: a stopped or disconnected one is killed (the main
+        loop refills its place); a running, connected one is waiting for its peers and is left
+        to wait (``core.overdue_reform``): membership is the daemon's to change, not ours."""
+        connected = self.channels.connected()
+        spare_streams = self.channels.spares()
         with self._lock:
             expired = [(pid, p) for pid, p in self._state.pending.items() if now > p.deadline]
             group = self._state.group
             for pid, p in expired:
-                del self._state.pending[pid]
                 w = group.worker(p.local_rank) if group is not None else None
                 if w is None or w.pid != pid or not w.running:
+                    del self._state.pending[pid]
                     continue  # gone already: its exit was reported as such
+                linked = connected.get(w.local_rank) == pid or pid in spare_streams
+                overdue = overdue_reform(self._proc_state(p.local_rank, pid), linked, now - p.sent, p.joining)
+                extra = {"node": self.config.node_id, "rank": p.rank, "round": p.round}
+                if not overdue.kill:
+                    self._state.pending[pid] = dataclasses.replace(p, deadline=now + self.config.reform_timeout)
+                    log.warning("agent %s: rank %d (pid %d) into round %d: %s", self.config.node_id, p.rank, pid,
+                                p.round, overdue.why, extra=extra)
+                    continue
+                del self._state.pending[pid]
                 self.stalls.forget(w.rank)
-                log.error("agent %s: rank %d (pid %d) did not acknowledge its re-form into round %d within %.1f s; "
-                          "killing and replacing it", self.config.node_id, p.rank, pid, p.round,
-                          self.config.reform_timeout, extra={"node": self.config.node_id, "rank": p.rank,
-                                                             "round": p.round})
+                log.error("agent %s: rank %d (pid %d) into round %d: %s; killing and replacing it",
+                          self.config.node_id, p.rank, pid, p.round, overdue.why, extra=extra)
                 self.metrics.reforms.labels(self.config.node_id, "timed-out").inc()
                 w.kill()
                 self._commands.put(("refill", (p.round, p.local_rank, pid)))
@@ -500,14 +548,27 @@ class NodeAgent:
                            extra_env={ENV_SOCKET: str(self.config.socket_path)}, cwd=self.config.cwd)
 
     def _maintain_spares(self) -> None:
-        if self.spare_pool.wanted and not self._state.draining:
+        if self.spare_pool.wanted and not self._state.draining and self._spares_may_start():
             self.spare_pool.maintain()
         self._spare_metrics()
         self._replacement_warm()
+        was = self._state.warming_since
+        self._update_readiness()
+        if was is not None and self._state.warming_since is None:
+            self._publish_health(force=True)
+
+    def _spares_may_start(self) -> bool:
+        with self._lock:
+            group = self._state.group
+            running = [w for w in group.workers if w.running] if group is not None else []
+            stepped = sum(1 for w in running if self._state.progress.get(w.rank, _Progress()).step >= 0)
+            return spares_may_start(warming=self._state.warming_since is not None,
+                                    replacing=self._state.replacing_since is not None, workers=len(running),
+                                    stepped=stepped)
 
     def _spare_metrics(self) -> None:
         spares = self.spare_pool.status()
-        ready = sum(1 for s in spares if s.ready)
+        ready = sum(1 for s in spares if s.warm)
         self.metrics.spares.labels(self.config.node_id, "ready").set(ready)
         self.metrics.spares.labels(self.config.node_id, "starting").set(len(spares) - ready)
 
@@ -518,7 +579,7 @@ class NodeAgent:
             since = self._state.replacing_since
             if since is None:
                 return
-            ready = sum(1 for s in self.spare_pool.status() if s.ready)
+            ready = sum(1 for s in self.spare_pool.status() if s.warm)
             if ready >= self.config.workers:
                 self._end_replacing(f"{ready} warm spare(s) ready after {time.monotonic() - since:.1f} s")
             elif self.spare_pool.disabled:
@@ -532,9 +593,42 @@ class NodeAgent:
     def _end_replacing(self, why: str) -> None:
         """Caller holds the lock."""
         self._state.replacing_since = None
-        self.spare_pool.wanted = self.config.spares if self.config.reform_in_place else 0
+        if self._state.warming_since is None:
+            self.spare_pool.wanted = self.config.spares if self.config.reform_in_place else 0
         log.info("agent %s: no longer replacing a lost worker: %s", self.config.node_id, why,
                  extra={"node": self.config.node_id})
+
+    def _update_readiness(self) -> None:
+        """Warm a spare per local worker while this node is outside an open round and not ready
+        to join (``core.join_readiness``); its health record says ``replacing`` meanwhile, so the
+        daemon admits the node only once it can join warm."""
+        with self._lock:
+            # the newest round read, even before the main loop applied it: a node that just started
+            # must not say it is ready because it has not applied the round yet
+            rnd = self._state.seen_round
+            now = time.monotonic()
+            warming = self._state.warming_since
+            facts = JoinFacts(
+                in_round=rnd is not None and any(m.node_id == self.config.node_id for m in rnd.members),
+                round_open=rnd is not None and not rnd.closed, workers=self.config.workers,
+                ready_spares=sum(1 for sp in self.spare_pool.status() if sp.warm),
+                spares_disabled=bool(self.spare_pool.disabled), reform_in_place=self.config.reform_in_place,
+                warming_for=None if warming is None else now - warming)
+            readiness = join_readiness(facts, self.config.replace_timeout)
+            if readiness.ready and warming is not None:
+                self._state.warming_since = None
+                if self._state.replacing_since is None:
+                    self.spare_pool.wanted = self.config.spares if self.config.reform_in_place else 0
+                log.info("agent %s: ready to join: %s", self.config.node_id, readiness.why,
+                         extra={"node": self.config.node_id})
+            elif not readiness.ready and warming is None:
+                self._state.warming_since = now
+                self.spare_pool.wanted = max(self.spare_pool.wanted, self.config.workers)
+                log.info("agent %s: outside round %d, not ready to join: %s", self.config.node_id,
+                         rnd.number if rnd else 0, readiness.why, extra={"node": self.config.node_id})
+            else:
+                return
+        self._commands.put(("call", lambda: None))  # wake the main loop to start spares
 
     def _start_replacing(self, exit_: WorkerExit, could_reform: bool) -> None:
         """A worker of this round died: with no ready spare to take its rank, ask to leave the world
@@ -545,7 +639,7 @@ class NodeAgent:
                 and exit_.kind in (ExitKind.SIGNAL, ExitKind.OOM_KILLED, ExitKind.USER_ERROR)
                 and self._state.replacing_since is None):
             return
-        if any(s.ready for s in self.spare_pool.status()):
+        if any(s.warm for s in self.spare_pool.status()):
             return  # a warm spare takes the rank in the next round
         self._state.replacing_since = time.monotonic()
         self.spare_pool.wanted = max(self.spare_pool.wanted, self.config.workers)
@@ -561,7 +655,7 @@ class NodeAgent:
             self.metrics.faults.labels(self.config.node_id, f"spare-{exit_.kind.value}").inc()
         self._commands.put(("call", lambda: None))  # wake the main loop to start a replacement
 
-    def _stop_workers(self, why: str) -> None:
+    def _stop_workers(self, why: str, wait: bool = False) -> None:
         self._clear_throttles()  # an injected slow-down ends with the workers it slowed
         with self._lock:
             group = self._state.group
@@ -569,10 +663,24 @@ class NodeAgent:
             self._state.pending = {}
         if group is not None and group.running:
             log.info("agent %s: stopping workers: %s", self.config.node_id, why)
-            group.stop(self.config.stop_grace)
+            if wait:
+                group.stop(self.config.stop_grace)
+            else:
+                self._stop_in_background(group.workers, self.config.stop_grace)
         if group is not None:
             for w in group.workers:
                 self.stalls.forget(w.rank)
+
+    def _stop_in_background(self, workers: list[Worker], grace: float) -> None:
+        """SIGTERM now; the grace and the SIGKILL after it on a thread of their own, so the main loop
+        (which applies the next round) is never held up by a worker that ignores SIGTERM — one
+        blocked in a collective with peers that are gone cannot act on it until that times out."""
+        workers = [w for w in workers if w.running]
+        if not workers:
+            return
+        for w in workers:
+            w.stopping = True  # from now on, for every check of the main loop
+        threading.Thread(target=stop_workers, args=(workers, grace), daemon=True, name="agent-stop").start()
 
     def _worker_exited(self, exit_: WorkerExit) -> None:
         with self._lock:
@@ -669,9 +777,13 @@ class NodeAgent:
         found = self.findings()
         with self._lock:
             unreachable = list(self._state.unreachable)
+            rnd = self._state.round
+            lost = sorted(self._state.lost_peers) if rnd is not None and rnd.number == self._state.lost_peers_round \
+                else []
         return records_pb2.HealthRecord(
             node_id=self.config.node_id, state=health_state(int(verdict(found))), unreachable_peers=unreachable,
-            replacing=self._state.replacing_since is not None,
+            lost_peers=lost, lost_peers_round=self._state.lost_peers_round if lost else 0,
+            replacing=self._state.replacing_since is not None or self._state.warming_since is not None,
             findings=[records_pb2.Finding(source=f.source, device=max(f.device, 0), state=health_state(int(f.severity)),
                                           code=f.code, detail=f.detail, round=f.round) for f in found],
         )
@@ -735,7 +847,58 @@ class NodeAgent:
         with self._lock:
             self._state.unreachable = unreachable
 
-    def _ping(self, address: str) -> bool:
+    def worker_joining(self, pid: int, round: int, arrived: int, world_size: int) -> None:
+        with self._lock:
+            pending = self._state.pending.get(pid)
+            if pending is not None and round >= pending.round and not pending.joining:
+                self._state.pending[pid] = dataclasses.replace(pending, joining=True)
+                log.info("agent %s: pid %d left its old world, joining round %d (%d of %d arrived)",
+                         self.config.node_id, pid, round, arrived, world_size,
+                         extra={"node": self.config.node_id, "round": round})
+
+    def worker_peer_lost(self, rank: int, round: int, hosts: list[str], detail: str) -> None:
+        """A worker's collective of ``round`` broke on peers at ``hosts``: ping the agents of the
+        members there (on a thread: a dead host may take the whole timeout) and report those that
+        do not answer, so the daemon can act before their leases expire. A host shared by several
+        members (or this node's own) names no one and is ignored."""
+        node = self.config.node_id
+        with self._lock:
+            rnd = self._state.round
+        if rnd is None or round != rnd.number:
+            return
+        by_host: dict[str, list[records_pb2.RoundMember]] = {}
+        for m in rnd.members:
+            if m.address:
+                by_host.setdefault(m.address.rsplit(":", 1)[0].strip("[]"), []).append(m)
+        suspects = [ms[0] for h, ms in by_host.items() if h in hosts and len(ms) == 1 and ms[0].node_id != node]
+        log.warning("agent %s: rank %d lost peers at %s in round %d (%s); checking %s", node, rank, ", ".join(hosts),
+                    round, detail.splitlines()[0][:200] if detail else "", [m.node_id for m in suspects] or "no one",
+                    extra={"node": node, "rank": rank, "round": round})
+        if suspects:
+            threading.Thread(target=self._check_lost_peers, args=(round, suspects), daemon=True,
+                             name="agent-lost-peers").start()
+
+    def _check_lost_peers(self, round: int, suspects: list[records_pb2.RoundMember]) -> None:
+        lost = {m.node_id for m in suspects if not self._ping(m.address, timeout=0.5)}
+        if not lost:
+            return
+        with self._lock:
+            if self._state.round is None or self._state.round.number != round:
+                return  # the world moved on meanwhile
+            if self._state.lost_peers_round != round:
+                self._state.lost_peers, self._state.lost_peers_round = set(), round
+            if lost <= self._state.lost_peers:
+                return
+            self._state.lost_peers |= lost
+        log.error("agent %s: round %d: %s lost (workers' collectives broke on them, their agents do not answer)",
+                  self.config.node_id, round, ", ".join(sorted(lost)), extra={"node": self.config.node_id,
+                                                                             "round": round})
+        try:
+            self._publish_health(force=True)
+        except CoordError as exc:
+            log.warning("agent %s: cannot report lost peers: %s", self.config.node_id, exc)
+
+    def _ping(self, address: str, timeout: float = 2.0) -> bool:
         if self._drop_peers.is_set():
             return False
         if self.config.insecure:
@@ -745,7 +908,8 @@ class NodeAgent:
                                                  _read(self.config.tls.cert_file))
             channel = grpc.secure_channel(address, creds)
         try:
-            agent_pb2_grpc.AgentStub(channel).Ping(agent_pb2.PingRequest(from_node=self.config.node_id), timeout=2.0)
+            agent_pb2_grpc.AgentStub(channel).Ping(agent_pb2.PingRequest(from_node=self.config.node_id),
+                                                   timeout=timeout)
             return True
         except grpc.RpcError:
             return False
@@ -767,8 +931,9 @@ class NodeAgent:
     def worker_hello(self, hello: HelloEvent) -> None:
         node = self.config.node_id
         if hello.spare:
-            if self.spare_pool.ready(hello.pid):
-                log.info("agent %s: spare (pid %d) ready", node, hello.pid, extra={"node": node})
+            if (self.spare_pool.warm if hello.warm else self.spare_pool.ready)(hello.pid):
+                log.info("agent %s: spare (pid %d) %s", node, hello.pid, "warm" if hello.warm else "connected",
+                         extra={"node": node})
                 self._spare_metrics()
             else:
                 log.warning("agent %s: pid %d says it is a spare but is not one of ours", node, hello.pid,
@@ -860,7 +1025,7 @@ class NodeAgent:
             draining = self._state.draining
         node = records_pb2.NodeRecord(node_id=self.config.node_id, address=self.address, devices=self.config.workers,
                                       cordoned=draining)
-        spares = [agent_pb2.SpareStatus(pid=s.pid, ready=s.ready, age=s.age) for s in self.spare_pool.status()]
+        spares = [agent_pb2.SpareStatus(pid=s.pid, ready=s.warm, age=s.age) for s in self.spare_pool.status()]
         return agent_pb2.NodeStatus(node=node, health=self._health_record(), round=rnd.number if rnd else 0,
                                     workers=workers, draining=draining, spares=spares,
                                     spares_disabled=self.spare_pool.disabled)
@@ -967,10 +1132,14 @@ class NodeAgent:
                     extra={"node": self.config.node_id, "rank": rank})
         return f"slowing local rank {local_rank} down {factor:g}x (SIGSTOP/SIGCONT every {spec.period:g} s)"
 
-    def _clear_throttles(self) -> None:
+    def _clear_throttles(self, keep: dict[int, int] | None = None) -> None:
+        """Stop the injected slow-downs, but those of ``keep`` (local rank -> pid still there)."""
+        keep = keep or {}
         with self._lock:
-            throttles, self._throttles = list(self._throttles.values()), {}
-        for t in throttles:
+            ending = {lr: t for lr, t in self._throttles.items() if keep.get(lr) != t.pgid}
+            for lr in ending:
+                del self._throttles[lr]
+        for t in ending.values():
             t.stop()
 
     def slowdowns(self) -> dict[int, float]:
@@ -983,6 +1152,18 @@ def _frozen(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_STOPPED
     except psutil.Error:
         return False
+
+
+def _proc_state(pid: int) -> ProcState:
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return ProcState.EXITED
+    if status == psutil.STATUS_STOPPED:
+        return ProcState.STOPPED
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return ProcState.EXITED
+    return ProcState.RUNNING
 
 
 def _stopped(group: WorkerGroup, rank: int) -> bool:

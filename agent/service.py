@@ -56,6 +56,7 @@ class HelloEvent:
     pid: int
     spare: bool = False
     can_reform: bool = False
+    warm: bool = False  # a spare that finished warming up
 
 
 class AgentCore(Protocol):
@@ -70,6 +71,10 @@ class AgentCore(Protocol):
     def worker_hello(self, hello: HelloEvent) -> None: ...
 
     def worker_step(self, event: StepEvent) -> None: ...
+
+    def worker_peer_lost(self, rank: int, round: int, hosts: list[str], detail: str) -> None: ...
+
+    def worker_joining(self, pid: int, round: int, arrived: int, world_size: int) -> None: ...
 
     def worker_checkpoint(self, rank: int, step: int, path: str, committed: bool) -> None: ...
 
@@ -268,6 +273,12 @@ class ProgressServicer(agent_pb2_grpc.ProgressServicer):
                     if not h.spare:
                         self.channels.rebind(outbox, h.local_rank, stream.pid)
                     self._core.worker_hello(_hello_event(h, stream.pid))
+                elif which == "joining":
+                    self._core.worker_joining(stream.pid, int(msg.joining.round), int(msg.joining.arrived),
+                                              int(msg.joining.world_size))
+                elif which == "peer_lost":
+                    lost = msg.peer_lost
+                    self._core.worker_peer_lost(stream.rank, int(lost.round), list(lost.hosts), lost.detail)
                 elif which == "goodbye":
                     break
         except grpc.RpcError:
@@ -280,7 +291,7 @@ class ProgressServicer(agent_pb2_grpc.ProgressServicer):
 
 def _hello_event(h: agent_pb2.Hello, pid: int | None = None) -> HelloEvent:
     return HelloEvent(rank=h.rank, local_rank=h.local_rank, round=h.round, pid=pid or h.pid, spare=h.spare,
-                      can_reform=h.can_reform)
+                      can_reform=h.can_reform, warm=h.warm)
 
 
 def start_node_server(config: AgentConfig, core: AgentCore, extra: list[object] | None = None) -> tuple[grpc.Server,

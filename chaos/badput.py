@@ -8,8 +8,9 @@ Pure: step samples, faults and rounds in (seconds since the run started), figure
   step before it, plus one normal step), if training had not settled since that fault (settled:
   ``SETTLED_STEPS`` normal steps in a row): a fault injected during a pause did not start it, so a
   pause caused by an earlier fault's recovery stays that fault's even when another overlaps it,
-  and a pause long after a fault, once training ran steadily again, is not charged to it. Other
-  pauses are ``other``.
+  and a pause long after a fault, once training ran steadily again, is not charged to it. A pause
+  around a regrow round is the last part of the recovery of whatever took the joining nodes out:
+  it is charged to the latest fault aimed at one of them. Other pauses are ``other``.
 - **Redone steps**: a step trained again after a rollback or a restore from an older checkpoint
   wasted its earlier executions; their time is charged to the fault of the first pause after the
   wasted execution, where the rollback or restore happened (``recomputation``).
@@ -46,8 +47,15 @@ class _Sample(Protocol):
 
 class _Fault(Protocol):
     kind: str
+    target: str
     injected_at: float
     detected_at: float | None
+
+
+class _Round(Protocol):
+    t: float
+    reason: str
+    members: tuple[str, ...]
 
 
 @dataclass
@@ -65,10 +73,11 @@ class Accounting:
         return self.training_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def account(samples: Sequence[_Sample], faults: Sequence[_Fault], round_times: Sequence[float], wall_s: float,
+def account(samples: Sequence[_Sample], faults: Sequence[_Fault], rounds: Sequence[_Round], wall_s: float,
             committed_step: int) -> Accounting:
-    """Split ``wall_s`` as the module docstring says. ``round_times``: when each new round was
-    seen, ascending."""
+    """Split ``wall_s`` as the module docstring says. ``rounds``: each new round as it was seen,
+    in order."""
+    round_times = [r.t for r in rounds]
     acc = Accounting(wall_s, lost_by_fault=[0.0] * len(faults), redone_by_fault=[0] * len(faults))
     ordered = sorted(samples, key=lambda s: s.t)
     if not ordered:
@@ -82,7 +91,11 @@ def account(samples: Sequence[_Sample], faults: Sequence[_Fault], round_times: S
     injected = [faults[i].injected_at for i in by_time]
     settled = {i: _settled_at(ordered, faults[i].injected_at, normal) for i in by_time}
 
-    def culprit(before: float) -> int | None:
+    def culprit(before: float, until: float | None = None) -> int | None:
+        if until is not None:
+            joiner_fault = _regrow_culprit(rounds, faults, by_time, before, until)
+            if joiner_fault is not None:
+                return joiner_fault
         k = bisect.bisect_right(injected, before)
         if k == 0 or before >= settled[by_time[k - 1]]:
             return None
@@ -94,7 +107,7 @@ def account(samples: Sequence[_Sample], faults: Sequence[_Fault], round_times: S
     for i in range(len(ordered) - 1, -1, -1):
         next_pause[i] = following
         if i > 0 and normal > 0 and ordered[i].t - ordered[i - 1].t > 2 * normal:
-            following = culprit(ordered[i - 1].t + normal)
+            following = culprit(ordered[i - 1].t + normal, ordered[i].t)
 
     last_of_step = {s.step: i for i, s in enumerate(ordered)}
     startup = max(0.0, ordered[0].t - normal)
@@ -108,7 +121,7 @@ def account(samples: Sequence[_Sample], faults: Sequence[_Fault], round_times: S
         step_cost = min(gap, normal) if normal > 0 else gap
         if normal > 0 and gap > 2 * normal:
             lost = gap - normal
-            pause_fault = culprit(prev.t + normal)
+            pause_fault = culprit(prev.t + normal, cur.t)
             if pause_fault is None:
                 acc.badput["other"] += lost
                 acc.bands.append(("other", prev.t + normal, cur.t))
@@ -138,6 +151,20 @@ def account(samples: Sequence[_Sample], faults: Sequence[_Fault], round_times: S
         acc.badput["recomputation"] += ordered[0].t - startup
     acc.badput["finish"] += max(0.0, wall_s - ordered[-1].t)  # after the last step: the final save, exit
     return acc
+
+
+def _regrow_culprit(rounds: Sequence[_Round], faults: Sequence[_Fault], by_time: Sequence[int], start: float,
+                    end: float) -> int | None:
+    """For a pause [start - one step, end] around a regrow round: the latest fault, injected before
+    the pause, aimed at a node that the regrow took back in."""
+    for k, rnd in enumerate(rounds):
+        if not rnd.reason.startswith("regrow") or not start - 1.0 <= rnd.t <= end or k == 0:
+            continue
+        joiners = set(rnd.members) - set(rounds[k - 1].members)
+        aimed = [i for i in by_time if faults[i].target in joiners and faults[i].injected_at <= start]
+        if aimed:
+            return aimed[-1]
+    return None
 
 
 def _settled_at(ordered: Sequence[_Sample], since: float, normal: float) -> float:

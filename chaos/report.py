@@ -54,6 +54,7 @@ class RoundChange:
     world_size: int
     reason: str
     decided_at: float | None = None  # when the daemon decided it (same clock as t)
+    members: tuple[str, ...] = ()
 
 
 @dataclass
@@ -80,7 +81,7 @@ class RunReport:
         """Charge the run's lost time to its faults and causes (``chaos/badput.py``)."""
         from stalwart.chaos.badput import account
 
-        acc = account(self.samples, self.faults, [r.t for r in self.rounds], self.wall_s, self.final_committed_step)
+        acc = account(self.samples, self.faults, self.rounds, self.wall_s, self.final_committed_step)
         for fault, lost, redone in zip(self.faults, acc.lost_by_fault, acc.redone_by_fault, strict=True):
             fault.lost_s, fault.redone_steps = round(lost, 3), redone
         self.badput = {cause: round(v, 3) for cause, v in acc.badput.items()}

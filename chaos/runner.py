@@ -184,7 +184,8 @@ class _Run:
         world = 0 if rnd.closed else len(rnd.members)
         if not self.rounds or (self.rounds[-1].number, self.rounds[-1].world_size) != (rnd.number, world):
             decided = rnd.decided_at - self.t0 if rnd.decided_at else None
-            self.rounds.append(RoundChange(self.now(), int(rnd.number), world, rnd.reason, decided))
+            members = () if rnd.closed else tuple(m.node_id for m in rnd.members)
+            self.rounds.append(RoundChange(self.now(), int(rnd.number), world, rnd.reason, decided, members))
             self.progress(f"  round {rnd.number}: {world} nodes ({rnd.reason})")
 
     def _status_line(self, step: int) -> str:
@@ -202,8 +203,14 @@ class _Run:
         if spec.at_step is not None:
             # A NaN or a spike is sent ahead, so that the trainer has it before step at_step runs.
             lead = TRAINING_FAULT_LEAD if spec.kind in TRAINING_FAULTS else 0
-            return step >= spec.at_step - lead
-        return self.now() >= (spec.at_time or 0.0)
+            due = step >= spec.at_step - lead
+        else:
+            due = self.now() >= (spec.at_time or 0.0)
+        if due and spec.during == "regrow":
+            # while a regrow's re-form is in flight: a regrow round seen just now
+            last = self.rounds[-1] if self.rounds else None
+            return last is not None and last.reason.startswith("regrow") and self.now() - last.t < 0.5
+        return due
 
     def _target(self, spec: FaultSpec) -> str:
         if spec.node is not None:
@@ -449,7 +456,11 @@ class _Run:
     def _result(self) -> _Result:
         from stalwart.trainer.record import committed_steps, skipped_samples  # the record's format is the trainer's
 
-        wall = self.now()
+        # The job's wall time ends with its last commit; the runner may wait on after it for a
+        # fault's undo (an agent to restart, a disk to free), which is not the job's time.
+        final = [float(e["t"]) - self.t0 for e in self.events  # type: ignore[arg-type]
+                 if e.get("event") == "commit" and e.get("step") == self.s.job.steps]
+        wall = min(final) if final else self.now()
         committed = committed_steps(self.events)
         samples = [Sample(float(e["t"]) - self.t0, int(e["step"]), int(e["world_size"]),  # type: ignore[arg-type]
                           loss=float(e["loss"])) for e in self._steps()]  # type: ignore[arg-type]

@@ -92,6 +92,9 @@ class FaultSpec:
     code: int = 79  # Xid for gpu-fault
     duration: float = 5.0  # network-cut, fill-disk, slow-worker: seconds until the fault is undone
     factor: float = 0.0  # loss-spike: loss multiplier (default 1000); slow-worker: slow-down (default 2)
+    # "regrow": once at_step/at_time is reached, wait for the next regrow round and inject while
+    # its re-form is in flight ("": at once)
+    during: str = ""
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,8 @@ def from_mapping(data: Mapping[str, Any]) -> Scenario:
             raise ScenarioError(f"scenario: fault[{i}].kind: unknown fault {f.kind!r} (known: {list(FAULT_KINDS)})")
         if (f.at_step is None) == (f.at_time is None):
             raise ScenarioError(f"scenario: fault[{i}]: give exactly one of at_step and at_time")
+        if f.during not in ("", "regrow"):
+            raise ScenarioError(f"scenario: fault[{i}].during: {f.during!r} is not \"regrow\" (or empty)")
         if f.node is not None and f.node not in [f"node{n}" for n in range(cluster.nodes)]:
             raise ScenarioError(f"scenario: fault[{i}].node: no node {f.node!r} in a cluster of {cluster.nodes}")
         faults.append(f)

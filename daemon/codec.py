@@ -141,6 +141,13 @@ def decode_worker_failure(node_id: str, value: bytes) -> tuple[int, bool, str] |
     return int(latest), any(f.code in BLAMED_WORKER_CODES for f in mine), "; ".join(f.detail or f.code for f in mine)
 
 
+def decode_lost_peers(node_id: str, value: bytes) -> tuple[int, frozenset[str]]:
+    """(round, members) the node's workers lost, whose agents do not answer (HealthRecord.lost_peers)."""
+    rec = _parse(records_pb2.HealthRecord, value, f"health {node_id}")
+    _check_id(rec.node_id, node_id, f"health {node_id}")
+    return int(rec.lost_peers_round), frozenset(rec.lost_peers)
+
+
 def decode_replacing(node_id: str, value: bytes) -> bool:
     """Whether the node is warming a replacement for a lost worker (HealthRecord.replacing)."""
     rec = _parse(records_pb2.HealthRecord, value, f"health {node_id}")

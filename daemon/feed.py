@@ -31,6 +31,7 @@ from stalwart.daemon.round_events import (
     LeaseLost,
     NodeRegistered,
     PeerReachability,
+    PeersLost,
     ProgressReport,
     Replacing,
     Uncordon,
@@ -81,6 +82,7 @@ class Feed:
         self._failures_seen: set[tuple[str, int]] = set()  # (node, round): one restart per failure
         self._unreachable: dict[str, frozenset[str]] = {}
         self._replacing: set[str] = set()  # nodes whose last health record said replacing
+        self._lost_peers: dict[str, tuple[int, frozenset[str]]] = {}  # last lost-peers report by node
         self._leaving: set[str] = set()  # nodes whose agent announced a graceful stop
         self._warned: set[str] = set()
         self._on_ignored = on_ignored
@@ -227,6 +229,11 @@ class Feed:
             # round - 1: a peer's broken collective may have restarted the round first
             self._failures_seen.add((node_id, -gave_up[0]))
             out.append(JobGaveUp(node_id, gave_up[0], gave_up[1]))
+        lost_round, lost = codec.decode_lost_peers(node_id, value)
+        if lost and lost_round == self.round_number and node_id in self.members \
+                and self._lost_peers.get(node_id) != (lost_round, lost):
+            self._lost_peers[node_id] = (lost_round, lost)
+            out.append(PeersLost(node_id, lost_round, lost))
         replacing = codec.decode_replacing(node_id, value)
         if replacing != (node_id in self._replacing):  # before the failure: one batch, one new round
             (self._replacing.add if replacing else self._replacing.discard)(node_id)

@@ -82,6 +82,9 @@ class NodeRecord:
     last_progress_at: float | None = None
     unreachable: frozenset[str] = frozenset()
     replacing: bool = False  # warming a replacement for a lost worker: out of new rounds if possible
+    # Lost by its peers (their collectives broke on it, its agent did not answer): out of new rounds
+    # until this time, or until it registers again (a dead node's lease expires well before).
+    lost_by_peers_until: float | None = None
 
     @property
     def eligible(self) -> bool:

@@ -24,6 +24,7 @@ __all__ = [
     "NodeRegistered",
     "OpenRound",
     "PeerReachability",
+    "PeersLost",
     "ProgressReport",
     "Replacing",
     "Status",
@@ -135,6 +136,16 @@ class Uncordon:
 
 
 @dataclass(frozen=True)
+class PeersLost:
+    """A member's workers lost these peers in ``round`` (a collective broke on them) and their
+    agents do not answer: evidence that those nodes are gone, seconds before their leases expire."""
+
+    node_id: str
+    round: int
+    lost: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
 class PeerReachability:
     """A member's agent reports which peers of the round it cannot reach; the latest report of
     each member in the current round is kept and used when the whole round stalls."""
@@ -183,6 +194,7 @@ Event = (
     | Cordon
     | Uncordon
     | PeerReachability
+    | PeersLost
     | WorkerFailed
     | Replacing
     | Tick
@@ -239,7 +251,7 @@ class Status:
 Decision = OpenRound | CloseRound | Status
 
 _NODE_EVENTS = (NodeRegistered, LeaseLost, HealthVerdict, ProgressReport, Drain, Cordon, Uncordon,
-                PeerReachability, WorkerFailed, JobGaveUp, Replacing)
+                PeerReachability, PeersLost, WorkerFailed, JobGaveUp, Replacing)
 
 
 def _is_count(value: object, minimum: int) -> bool:
@@ -271,6 +283,11 @@ def malformed(event: object) -> str | None:
     elif isinstance(event, ProgressReport):
         if not _is_count(event.step, 0):
             return f"step {event.step!r} is not a non-negative integer"
+    elif isinstance(event, PeersLost):
+        if not _is_count(event.round, 1):
+            return f"round {event.round!r} is not a positive integer"
+        if not isinstance(event.lost, (set, frozenset)) or not all(isinstance(p, str) for p in event.lost):
+            return f"lost {event.lost!r} is not a set of node ids"
     elif isinstance(event, (WorkerFailed, JobGaveUp)):
         if not _is_count(event.round, 1):
             return f"round {event.round!r} is not a positive integer"

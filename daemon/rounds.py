@@ -18,6 +18,10 @@ Rules, in the order the machine applies them:
   without it (``shrink_to_replace``), so the others re-form in place at once instead of waiting
   for a new process to start; it is not taken into a round until its agent says the replacement
   is warm, and then comes back by the regrow rule.
+- **Lost by its peers**: a strict majority of the other members report that their workers'
+  collectives broke on a member whose agent does not answer a ping -> a new round without it at
+  once, as for a lost lease, seconds before the lease expires. It stays out of new rounds for
+  ``LOST_BY_PEERS_HOLD`` unless it registers again.
 - **Network stall**: no member made progress for ``stall_timeout`` -> the member that a strict
   majority of the other members report unreachable is excluded and a new round opens; when no
   single member qualifies, the same members (those still eligible) are reopened as a new round.
@@ -66,6 +70,7 @@ from stalwart.daemon.round_events import (
     NodeRegistered,
     OpenRound,
     PeerReachability,
+    PeersLost,
     ProgressReport,
     Replacing,
     Status,
@@ -157,6 +162,9 @@ class RoundMachine:
         self._regrow_trigger: str | None = None
         # Members that restore_node held out: the next batch replaces the round without them.
         self._pending_broken: list[str] = []
+        self._lost_reports: dict[int, dict[str, frozenset[str]]] = {}  # round -> member -> peers it lost
+        self._lost_now: set[str] = set()  # members lost by their peers in this batch
+        self._held_by_peers: dict[str, float] = {}  # node -> until when it stays out (lost by its peers)
 
     @classmethod
     def resume(cls, policy: RoundPolicy, current: OpenRound | None, last_round_number: int,
@@ -249,9 +257,10 @@ class RoundMachine:
         elif self._broken and st.round is not None:
             causes = self._broken
             why = "; ".join(causes[:3]) + (f"; and {len(causes) - 3} more" if len(causes) > 3 else "")
-            decisions = self._reopen(now, why)
+            decisions = self._reopen(now, why, exclude=set(self._lost_now))
         elif self._regrow_trigger is not None:
             decisions = self._regrow(now, self._regrow_trigger)
+        self._lost_now = set()
         return decisions or self._evaluate(now)
 
     def _dispatch(self, event: Event, now: float) -> None:
@@ -271,6 +280,8 @@ class RoundMachine:
             self._on_cordon(event)
         elif isinstance(event, Uncordon):
             self._on_uncordon(event)
+        elif isinstance(event, PeersLost):
+            self._on_peers_lost(event, now)
         elif isinstance(event, PeerReachability):
             self._on_reachability(event)
         elif isinstance(event, WorkerFailed):
@@ -299,7 +310,7 @@ class RoundMachine:
             self._sync(rec)
             return
         rec.address, rec.devices = ev.address, ev.devices
-        rec.registered, rec.replacing = True, False
+        rec.registered, rec.replacing, rec.lost_by_peers_until = True, False, None
         rec.health, rec.health_detail = Health.HEALTHY, ""
         if rec.state is NodeState.LOST:
             self._move(rec, NodeState.WAITING, "registered again")
@@ -453,6 +464,34 @@ class RoundMachine:
             target = NodeState.WAITING
         self._move(rec, target, "uncordoned by operator")
 
+    def _on_peers_lost(self, ev: PeersLost, now: float) -> None:
+        """Members whose workers' collectives broke on a node that no longer answers: once a
+        strict majority of the other members say so, the node is lost now, without waiting for its
+        lease. It cannot go on training or commit alone (a commit needs every rank of its round),
+        and it is left out of the next round only; if it is alive after all, it rejoins by the
+        regrow rule."""
+        rnd = self.state.round
+        if rnd is None or ev.round != rnd.number or not self._in_round(ev.node_id):
+            log.info("round %d: node %s: ignored lost-peer report of round %d", self._round_no(), ev.node_id, ev.round)
+            return
+        self._lost_reports = {rnd.number: self._lost_reports.get(rnd.number, {})}  # older rounds: moot
+        reports = self._lost_reports[rnd.number]
+        reports[ev.node_id] = ev.lost
+        for accused in sorted(ev.lost):
+            if not self._in_round(accused) or accused in self._lost_now:
+                continue
+            others = [m for m in rnd.members if m != accused and self.state.nodes[m].eligible]
+            accusers = [m for m in others if accused in reports.get(m, frozenset())]
+            if others and 2 * len(accusers) > len(others):
+                rec = self.state.nodes[accused]
+                if rec.health is Health.HEALTHY and rec.state not in HELD:
+                    self._fault(rec, now, "lost by its peers")
+                rec.lost_by_peers_until = self._held_by_peers[accused] = now + LOST_BY_PEERS_HOLD
+                self._sync(rec)
+                self._lost_now.add(accused)
+                self._broken.append(f"node {accused} lost: its agent does not answer and the workers of "
+                                    f"{len(accusers)} of {len(others)} peers lost it")
+
     def _on_reachability(self, ev: PeerReachability) -> None:
         if not self._in_round(ev.node_id):
             log.info("round %d: node %s: ignored reachability report, not in the world",
@@ -463,6 +502,12 @@ class RoundMachine:
     # --- rules that depend on time or counts ----------------------------------------------------
 
     def _evaluate(self, now: float) -> list[Decision]:
+        for node_id in [n for n, until in self._held_by_peers.items() if now >= until]:
+            del self._held_by_peers[node_id]
+            rec = self.state.nodes[node_id]
+            if rec.lost_by_peers_until is not None:
+                rec.lost_by_peers_until = None  # still registered: it was alive after all
+                self._sync(rec)
         rnd = self.state.round
         if rnd is None:
             return self._form(now)
@@ -659,7 +704,7 @@ class RoundMachine:
         self._sync(rec)
 
     def _sync(self, rec: NodeRecord) -> None:
-        if rec.state is NodeState.WAITING and rec.eligible and not rec.replacing:
+        if rec.state is NodeState.WAITING and rec.eligible and not rec.replacing and rec.lost_by_peers_until is None:
             self.state.waiting.add(rec.node_id)
         else:
             self.state.waiting.discard(rec.node_id)
@@ -677,6 +722,11 @@ class RoundMachine:
     def _round_no(self) -> int:
         rnd = self.state.round
         return rnd.number if rnd is not None else self.state.last_round_number
+
+
+LOST_BY_PEERS_HOLD = 15.0
+"""Seconds a node lost by its peers stays out of new rounds unless it registers again. A dead
+node's lease expires well within it; a live one (its agent was only slow to answer) rejoins after."""
 
 
 def _healthy(n: int) -> str:

@@ -163,16 +163,20 @@ class PingReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "step", "checkpoint", "goodbye")
+    __slots__ = ("hello", "step", "checkpoint", "goodbye", "peer_lost", "joining")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    PEER_LOST_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     step: StepReport
     checkpoint: CheckpointReport
     goodbye: Goodbye
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ...) -> None: ...
+    peer_lost: PeerLost
+    joining: Joining
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointReport, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., peer_lost: _Optional[_Union[PeerLost, _Mapping]] = ..., joining: _Optional[_Union[Joining, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("rank", "local_rank", "round", "pid", "spare", "can_reform", "warm")
@@ -223,6 +227,26 @@ class Goodbye(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Joining(_message.Message):
+    __slots__ = ("round", "arrived", "world_size")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    arrived: int
+    world_size: int
+    def __init__(self, round: _Optional[int] = ..., arrived: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class PeerLost(_message.Message):
+    __slots__ = ("round", "hosts", "detail")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    detail: str
+    def __init__(self, round: _Optional[int] = ..., hosts: _Optional[_Iterable[str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class AgentCommand(_message.Message):
     __slots__ = ("reform", "stop", "inject_fault")

@@ -71,20 +71,24 @@ class Finding(_message.Message):
     def __init__(self, source: _Optional[str] = ..., device: _Optional[int] = ..., state: _Optional[_Union[HealthState, str]] = ..., code: _Optional[str] = ..., detail: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
 class HealthRecord(_message.Message):
-    __slots__ = ("node_id", "state", "findings", "unreachable_peers", "checked_at", "replacing")
+    __slots__ = ("node_id", "state", "findings", "unreachable_peers", "checked_at", "replacing", "lost_peers", "lost_peers_round")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_PEERS_FIELD_NUMBER: _ClassVar[int]
     CHECKED_AT_FIELD_NUMBER: _ClassVar[int]
     REPLACING_FIELD_NUMBER: _ClassVar[int]
+    LOST_PEERS_FIELD_NUMBER: _ClassVar[int]
+    LOST_PEERS_ROUND_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: HealthState
     findings: _containers.RepeatedCompositeFieldContainer[Finding]
     unreachable_peers: _containers.RepeatedScalarFieldContainer[str]
     checked_at: float
     replacing: bool
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[HealthState, str]] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., unreachable_peers: _Optional[_Iterable[str]] = ..., checked_at: _Optional[float] = ..., replacing: _Optional[bool] = ...) -> None: ...
+    lost_peers: _containers.RepeatedScalarFieldContainer[str]
+    lost_peers_round: int
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[HealthState, str]] = ..., findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., unreachable_peers: _Optional[_Iterable[str]] = ..., checked_at: _Optional[float] = ..., replacing: _Optional[bool] = ..., lost_peers: _Optional[_Iterable[str]] = ..., lost_peers_round: _Optional[int] = ...) -> None: ...
 
 class ProgressRecord(_message.Message):
     __slots__ = ("node_id", "round", "step", "step_time", "reported_at", "busy_time", "committed_step", "has_committed_step", "straggling_ranks", "gave_up", "gave_up_reason")

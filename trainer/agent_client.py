@@ -193,6 +193,20 @@ class AgentClient:
                 self._call_reform(handler, newer)
         return spec
 
+    def joining(self, round_number: int, arrived: int = 0, world_size: int = 0) -> None:
+        """Tell the agent this worker left its old world and waits for the peers of
+        ``round_number`` (so it is not taken for one that ignores its Reform)."""
+        if self.enabled:
+            self._put(agent_pb2.WorkerMessage(joining=agent_pb2.Joining(round=round_number, arrived=arrived,
+                                                                        world_size=world_size)))
+
+    def peer_lost(self, round_number: int, hosts: list[str], detail: str) -> None:
+        """Tell the agent a collective of ``round_number`` broke on peers at ``hosts`` (it checks
+        whether their agents still answer and reports the nodes that are gone to the daemon)."""
+        if self.enabled and hosts:
+            self._put(agent_pb2.WorkerMessage(peer_lost=agent_pb2.PeerLost(round=round_number, hosts=hosts,
+                                                                          detail=detail[:500])))
+
     def has_newer_reform(self, round_number: int) -> bool:
         """Whether a Reform for a round after ``round_number`` waits for a handler (a spare that
         is still joining its first world learns so that round was superseded)."""

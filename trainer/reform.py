@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -106,6 +107,19 @@ def is_collective_error(exc: BaseException) -> bool:
         return False
     text = str(exc).lower()
     return any(mark in text for mark in _COLLECTIVE_ERROR_MARKS)
+
+
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
+
+
+def peer_hosts(exc: BaseException) -> list[str]:
+    """The peer addresses a collective error names (gloo: "Connection closed by peer
+    [10.0.0.7]:41234"), in order, without repeats."""
+    seen: list[str] = []
+    for host in _PEER_ADDRESS.findall(str(exc)):
+        if host not in seen and any(c.isdigit() for c in host):
+            seen.append(host)
+    return seen
 
 
 def leave_world() -> None:

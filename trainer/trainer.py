@@ -108,6 +108,7 @@ from stalwart.trainer.reform import (
     is_spare,
     join_world,
     leave_world,
+    peer_hosts,
     store_ports,
 )
 from stalwart.trainer.world_sockets import world_sockets
@@ -445,11 +446,15 @@ class Trainer:
                         spec.world_size, spec.round)
             os.environ.pop(ENV_SPARE, None)
             has_newer = getattr(agent, "has_newer_reform", lambda _round: False)
+            joining = getattr(agent, "joining", None)
             while True:
+                if callable(joining):
+                    joining(spec.round, 0, spec.world_size)
                 try:
                     join_world(spec, backend=backend, collective_timeout_s=config.collective_timeout_s,
                                join_timeout_s=config.dist_timeout_s,
-                               superseded=lambda r=spec.round: has_newer(r))  # type: ignore[misc]
+                               superseded=lambda r=spec.round: has_newer(r),  # type: ignore[misc]
+                               on_wait=(lambda n, w, r=spec.round: joining(r, n, w)) if callable(joining) else None)
                     break
                 except JoinSuperseded:
                     newer = agent.take_newer_reform(spec.round)
@@ -599,6 +604,9 @@ class Trainer:
                 world_sockets.cut()  # peers blocked on this rank fail now instead of at their timeout
                 log.error("rank %d round %d step %d: collective failed: %s: %s", self.rank, self.round,
                           self.step, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                peer_lost = getattr(self.agent, "peer_lost", None)
+                if callable(peer_lost) and not self._reform_event.is_set():
+                    peer_lost(self.round, peer_hosts(exc), f"{type(exc).__name__}: {exc}")
                 spec = self._await_reform(exc)
                 cause = "collective_error"
             if spec is not None:
@@ -671,11 +679,15 @@ class Trainer:
     def _join_newest(self, spec: ReformSpec) -> ReformSpec:
         """Join ``spec``'s world, or a newer one that the agent sends while its peers are still
         arriving (the round was superseded: nobody will complete it). Returns the spec joined."""
+        joining = getattr(self.agent, "joining", None)
         while True:
+            if callable(joining):
+                joining(spec.round, 0, spec.world_size)
             try:
                 join_world(spec, backend=backend_for_device(), collective_timeout_s=self.config.collective_timeout_s,
                            join_timeout_s=self.config.dist_timeout_s,
-                           superseded=lambda r=spec.round: self._newer_reform(r))  # type: ignore[misc]
+                           superseded=lambda r=spec.round: self._newer_reform(r),  # type: ignore[misc]
+                           on_wait=(lambda n, w, r=spec.round: joining(r, n, w)) if callable(joining) else None)
                 return spec
             except JoinSuperseded:
                 newer = self._take_reform()

@@ -53,19 +53,21 @@ def test_a_spare_still_acknowledging_an_earlier_reform_is_kept_though_its_worker
     assert keep_verdict(facts, local_world_size=1).keep
 
 
-def test_an_overdue_reform_of_a_running_connected_worker_waits_it_is_not_killed() -> None:
+def test_an_overdue_reform_of_a_worker_waiting_for_its_peers_is_not_killed() -> None:
     # The cascade: survivors waiting for a cold joiner were killed after a fixed 10 s.
-    overdue = overdue_reform(ProcState.RUNNING, connected=True, waited=25.0)
+    overdue = overdue_reform(ProcState.RUNNING, connected=True, waited=250.0, joining=True)
     assert not overdue.kill and "waiting for its peers" in overdue.why
 
 
-@pytest.mark.parametrize(("proc", "connected", "kill", "why"), [
-    (ProcState.STOPPED, True, True, "stopped"),
-    (ProcState.RUNNING, False, True, "lost its channel"),
-    (ProcState.EXITED, True, False, "exited"),
+@pytest.mark.parametrize(("proc", "connected", "joining", "kill", "why"), [
+    (ProcState.STOPPED, True, True, True, "stopped"),
+    (ProcState.RUNNING, False, True, True, "lost its channel"),
+    (ProcState.RUNNING, True, False, True, "did not begin"),  # it ignores its Reform
+    (ProcState.EXITED, True, False, False, "exited"),
 ])
-def test_an_overdue_reform_kills_only_on_local_facts(proc: ProcState, connected: bool, kill: bool, why: str) -> None:
-    overdue = overdue_reform(proc, connected=connected, waited=11.0)
+def test_an_overdue_reform_kills_only_on_local_facts(proc: ProcState, connected: bool, joining: bool, kill: bool,
+                                                     why: str) -> None:
+    overdue = overdue_reform(proc, connected=connected, waited=41.0, joining=joining)
     assert overdue.kill is kill and why in overdue.why
 
 

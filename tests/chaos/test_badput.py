@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stalwart.chaos.badput import account
-from stalwart.chaos.report import FaultRecord, Sample
+from stalwart.chaos.report import FaultRecord, RoundChange, Sample
 
 
 def _steps(start_t: float, first: int, n: int, round_: int = 1, dt: float = 0.1) -> list[Sample]:
@@ -30,7 +30,8 @@ def test_a_pause_is_charged_to_the_fault_before_it_not_to_one_injected_during_it
     samples = _steps(1.0, 1, 30) + _steps(1.0 + 29 * 0.1 + 2.0, 31, 30, round_=2)
     first = FaultRecord("kill-worker", "n1", injected_at=3.85, detected_at=4.0)
     during = FaultRecord("kill-daemon", "d0", injected_at=4.5, detected_at=6.5)
-    acc = account(samples, [first, during], [4.2], wall_s=samples[-1].t, committed_step=60)
+    acc = account(samples, [first, during], [RoundChange(4.2, 2, 3, "node n1 worker failed")], wall_s=samples[-1].t,
+                  committed_step=60)
     assert first.kind and acc.lost_by_fault[0] == pytest.approx(1.9)
     assert acc.lost_by_fault[1] == 0.0
     # the pause [3.9 + 0.1, 5.9]: detection until 4.0, decision until the round at 4.2, then re-form
@@ -63,3 +64,17 @@ def test_steps_redone_after_a_restore_are_charged_to_the_fault_whose_recovery_re
 def test_no_samples_is_all_other() -> None:
     acc = account([], [FaultRecord("kill-worker", "n1", 1.0)], [], wall_s=7.0, committed_step=0)
     assert acc.badput["other"] == 7.0 and acc.training_s == 0.0
+
+
+def test_a_pause_at_a_regrow_is_charged_to_the_fault_that_took_the_joiner_out() -> None:
+    # n1's agent killed at 2.0 (a short pause), training settles, n1 regrows at 6.0 with a pause
+    # that a later, unrelated fault (a daemon kill at 5.5) did not cause.
+    samples = _steps(1.0, 1, 10) + _steps(2.5, 11, 35) + _steps(2.5 + 34 * 0.1 + 1.5, 46, 10)
+    kill_agent = FaultRecord("kill-agent", "n1", injected_at=1.95)
+    kill_daemon = FaultRecord("kill-daemon", "daemon0", injected_at=5.5)
+    rounds = [RoundChange(0.5, 1, 3, "first round", members=("n0", "n1", "n2")),
+              RoundChange(2.1, 2, 2, "node n1 lost", members=("n0", "n2")),
+              RoundChange(6.0, 3, 3, "regrow (checkpoint at step 40 committed)", members=("n0", "n2", "n1"))]
+    acc = account(samples, [kill_agent, kill_daemon], rounds, wall_s=samples[-1].t, committed_step=55)
+    assert acc.lost_by_fault[1] == 0.0
+    assert acc.lost_by_fault[0] == pytest.approx(0.5 + 1.4)

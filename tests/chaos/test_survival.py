@@ -115,3 +115,15 @@ def test_a_dead_worker_with_no_warm_spare_shrinks_the_world_in_place_and_its_nod
     reforms = [e for e in record if e.get("event") == "reform" and e.get("world_size") == 2]
     assert reforms, "the survivors did not re-form in place"
     print(f"shrink 3 -> 2: detected {fault.detection_s:.2f} s, resumed {fault.recovery_s:.2f} s")
+
+
+@pytest.mark.timeout(600)
+def test_overlapping_faults_do_not_cascade(tmp_path: Path) -> None:
+    """A worker, an agent and the daemon leader in one step; a hang and an etcd member in one step;
+    a network cut and a killed worker while a regrow's re-form is in flight: every fault is
+    recovered on its own, no survivor is killed for waiting on a peer, no round is repeated."""
+    report = _run("overlap", tmp_path, timeout=420, reference=False)
+    logs = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "work" / "run").glob("node*.log"))
+    assert "killing and replacing it" not in logs
+    # A fault costs at most a shrink and a regrow; a cascade repeats rounds for one fault.
+    assert len(report.rounds) <= 1 + 2 * len(report.faults), [r.reason for r in report.rounds]

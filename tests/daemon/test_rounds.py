@@ -716,3 +716,52 @@ def test_lease_lost_and_registered_again_in_one_batch_is_one_member() -> None:
     decisions = sim.machine.handle_batch([LeaseLost("n0"), NodeRegistered("n0", "10.0.0.1", 1)], sim.now)
     for d in rounds(decisions):
         assert len({m.node_id for m in d.members}) == d.world_size == len(d.members)
+
+
+# --- a node lost by its peers ------------------------------------------------------------------------
+
+def test_a_member_lost_by_a_majority_of_its_peers_leaves_at_once_without_waiting_for_its_lease() -> None:
+    from stalwart.daemon.round_events import PeersLost
+    from stalwart.daemon.rounds import LOST_BY_PEERS_HOLD
+
+    sim = Sim(regrow_cooldown=0.0)
+    sim.start("a", "b", "c")
+    sim.progress(1, 1.0)
+    assert sim.send(PeersLost("b", 1, frozenset({"a"}))) == []  # one of two peers: not yet
+    opened = only_round(sim.send(PeersLost("c", 1, frozenset({"a"}))))
+    assert ids(opened) == ["b", "c"] and "node a lost" in opened.reason
+    assert len(sim.machine.state.nodes["a"].faults) == 1
+    # Still registered (its lease has not expired): held out of new rounds, not regrown at once.
+    assert rounds(sim.tick(1.0)) == []
+    sim.send(CheckpointCommitted(10))
+    assert rounds(sim.send(CheckpointCommitted(11), 1.0)) == []
+    # Its lease expires: it is lost as usual; it comes back by registering again.
+    assert rounds(sim.send(LeaseLost("a"), 1.0)) == []
+    assert sim.state_of("a") is NodeState.LOST
+    assert ids(only_round(sim.register("a"))) == ["b", "c", "a"]  # the round has not trained: regrow at once
+    assert LOST_BY_PEERS_HOLD > 5
+
+
+def test_a_member_lost_by_its_peers_but_alive_rejoins_after_the_hold() -> None:
+    from stalwart.daemon.round_events import PeersLost
+    from stalwart.daemon.rounds import LOST_BY_PEERS_HOLD
+
+    sim = Sim(regrow_cooldown=0.0)
+    sim.start("a", "b", "c")
+    sim.progress(1, 1.0)
+    sim.send(PeersLost("b", 1, frozenset({"a"})))
+    only_round(sim.send(PeersLost("c", 1, frozenset({"a"}))))
+    sim.progress(2, 1.0)
+    assert rounds(sim.send(CheckpointCommitted(12))) == []
+    sim.tick(LOST_BY_PEERS_HOLD)
+    assert ids(only_round(sim.send(CheckpointCommitted(13), 0.1))) == ["b", "c", "a"]
+
+
+def test_in_a_world_of_two_the_first_report_decides_and_reports_of_an_old_round_are_ignored() -> None:
+    from stalwart.daemon.round_events import PeersLost
+
+    sim = Sim(min_nodes=1)
+    sim.start("a", "b")
+    assert ids(only_round(sim.send(PeersLost("a", 1, frozenset({"b"}))))) == ["a"]
+    assert sim.send(PeersLost("b", 1, frozenset({"a"}))) == []  # about round 1: moot
+    assert sim.send(PeersLost("a", 1, frozenset({"b"}))) == []

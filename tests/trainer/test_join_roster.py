@@ -84,3 +84,13 @@ def test_a_world_of_one_does_not_wait() -> None:
     out: dict[int, object] = {}
     _run(dist.HashStore(), _spec(0, 1), threading.Event(), out)
     assert out == {0: "joined"}
+
+
+def test_the_peers_a_gloo_error_names_are_found() -> None:
+    from stalwart.trainer.reform import peer_hosts
+
+    err = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                       "[10.213.227.12]:27463; [pair.cc:538] Read error [10.213.227.12]:27463: reset; "
+                       "[fdff::5555:226b]:3266")
+    assert peer_hosts(err) == ["10.213.227.12", "fdff::5555:226b"]
+    assert peer_hosts(RuntimeError("Timed out waiting 30000ms for recv operation")) == []
