@@ -139,6 +139,20 @@ def join_readiness(f: JoinFacts, replace_timeout: float) -> Readiness:
     return Readiness(False, f"warming: {f.ready_spares} of {f.workers} spare(s) ready")
 
 
+def lost_before_step(gap: float, typical: float, after: str) -> tuple[str, float] | None:
+    """The training time lost before a step, by cause, as this node's agent sees it: the whole
+    wait less one normal step when it is the first step after a worker started (``after =
+    "startup"``) or was told to re-form (``"re-form"``: leaving, joining, restoring); otherwise what
+    a gap longer than twice the normal step exceeds it by (``"pause"``: a peer's fault, a stall, a
+    slow save). None when nothing was lost. ``typical``: the recent median step time (0: unknown)."""
+    if after in ("startup", "re-form"):
+        lost = gap - typical
+        return (after, lost) if lost > 0 else None
+    if typical > 0 and gap > 2 * typical:
+        return "pause", gap - typical
+    return None
+
+
 def spares_may_start(*, warming: bool, replacing: bool, workers: int, stepped: int) -> bool:
     """Whether the spare pool may start processes now (see the module docstring). ``workers``:
     this node's workers in the current round (0: none); ``stepped``: how many of them reported a

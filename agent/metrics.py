@@ -38,7 +38,12 @@ class AgentMetrics:
                             ["node", "state"], registry=self.registry)
         self.spare_assignments = Counter("stalwart_agent_spare_assignments", "Warm spares that took a local rank",
                                          ["node"], registry=self.registry)
+        self.badput = Counter("stalwart_badput_seconds", "Training time lost on this node, by cause: startup "
+                              "(start to first step), re-form (a Reform to the first step after it), pause (a gap "
+                              "of more than two normal steps)", ["node", "cause"], registry=self.registry)
         self._node = node
+        for cause in ("startup", "re-form", "pause"):
+            self.badput.labels(node, cause)
         for state in ("ready", "starting"):
             self.spares.labels(node, state).set(0)
         self.spare_assignments.labels(**labels)

@@ -43,6 +43,7 @@ from stalwart.agent.core import (
     WorkerFacts,
     join_readiness,
     keep_verdict,
+    lost_before_step,
     overdue_reform,
     spares_may_start,
 )
@@ -146,6 +147,8 @@ class NodeAgent:
         self._health_service = health.HealthServicer()
         self.channels = WorkerChannels()  # commands to connected workers, by local rank
         self._throttles: dict[int, Throttle] = {}  # fault injection: slowed workers, by local rank
+        # rank -> (monotonic time of its last step, start or Reform; what came last) for badput
+        self._step_clock: dict[int, tuple[float, str]] = {}
         self.spare_pool = SparePool(config.spares if config.reform_in_place else 0, self._start_spare,
                                     node=config.node_id)
 
@@ -360,6 +363,7 @@ class NodeAgent:
             self._state.progress = {}
             for w in group.workers:
                 self.stalls.started(w.rank, now)
+                self._step_clock[w.rank] = (now, "startup")
         self._joined(record)
 
     def _assignment(self, record: records_pb2.RoundRecord, m: records_pb2.RoundMember) -> RoundAssignment:
@@ -439,6 +443,7 @@ class NodeAgent:
             spawned = group.spawn(lr)
             with self._lock:
                 self.stalls.started(spawned.rank, time.monotonic())
+                self._step_clock[spawned.rank] = (time.monotonic(), "startup")
         self._joined(record)
 
     def _send_reform(self, group: WorkerGroup, w: Worker, record: records_pb2.RoundRecord, now: float) -> bool:
@@ -451,6 +456,7 @@ class NodeAgent:
             self._state.pending[w.pid] = _PendingReform(record.number, w.local_rank, w.rank, now,
                                                         now + self.config.reform_timeout)
             self.stalls.started(w.rank, now)
+            self._step_clock[w.rank] = (now, "re-form")
         if self.channels.send_pid(w.pid, command):
             self.metrics.reforms.labels(self.config.node_id, "sent").inc()
             log.info("agent %s: round %d: re-form sent to rank %d (pid %d, local rank %d) of %d", self.config.node_id,
@@ -501,6 +507,7 @@ class NodeAgent:
             spawned = group.spawn(local_rank)
             with self._lock:
                 self.stalls.started(spawned.rank, now)
+                self._step_clock[spawned.rank] = (now, "startup")
 
     def _proc_state(self, local_rank: int, pid: int) -> ProcState:
         """The process's state, where a slow-down injected on purpose (stopped in short bursts)
@@ -977,11 +984,20 @@ class NodeAgent:
             rnd = self._state.round
             if event.round and rnd is not None and event.round < rnd.number:
                 return  # a kept worker still in its old world: its rank there is not its rank now
-            self.stalls.step(event.rank, event.step, event.step_time, time.monotonic())
+            now = time.monotonic()
+            self.stalls.step(event.rank, event.step, event.step_time, now)
             p = self._state.progress.setdefault(event.rank, _Progress(busy=deque(maxlen=self.config.busy_window)))
             p.step, p.step_time, p.at = event.step, event.step_time, event.at
             p.busy.append(event.busy_time)
+            since, after = self._step_clock.get(event.rank, (now, ""))
+            self._step_clock[event.rank] = (now, "")
+            group = self._state.group
+            # one rank per node counts, so that a node's lost time is not counted once per worker
+            lost = lost_before_step(now - since, self.stalls.typical(event.rank), after) \
+                if group is not None and event.rank == group.assignment.first_rank else None
         self.metrics.step(event.rank, event.step, event.step_time)
+        if lost is not None:
+            self.metrics.badput.labels(self.config.node_id, lost[0]).inc(lost[1])
 
     def worker_checkpoint(self, rank: int, step: int, path: str, committed: bool) -> None:
         log.info("agent %s: rank %d checkpoint at step %d %s", self.config.node_id, rank, step,

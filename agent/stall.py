@@ -93,6 +93,11 @@ class StallDetector:
             return self.policy.floor
         return max(self.policy.floor, self.policy.factor * statistics.median(w.times))
 
+    def typical(self, rank: int) -> float:
+        """The rank's recent median step time (0: none yet)."""
+        w = self._workers.get(rank)
+        return statistics.median(w.times) if w is not None and w.times else 0.0
+
     def frozen_limit(self, rank: int) -> float:
         w = self._workers[rank]
         typical = 3.0 * statistics.median(w.times) if w.times else 0.0

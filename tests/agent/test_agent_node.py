@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -16,6 +15,7 @@ from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+from testkit import wait_for
 
 WORKER = str(Path(__file__).with_name("worker_script.py"))
 
@@ -43,15 +43,6 @@ def _health(client: EtcdClient, keys: JobKeys, node: str = "n0") -> records_pb2.
     return records_pb2.HealthRecord.FromString(kv.value) if kv else None
 
 
-def _wait(pred: Callable[[], bool], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
 def _stub(agent: NodeAgent) -> agent_pb2_grpc.AgentStub:
     return agent_pb2_grpc.AgentStub(grpc.insecure_channel(f"127.0.0.1:{agent.port}"))
 
@@ -69,7 +60,7 @@ def test_registration_round_workers_and_worker_death(etcd_server: LocalEtcd, etc
     assert node is not None and node.lease != 0
     assert records_pb2.NodeRecord.FromString(node.value).address.endswith(f":{agent.port}")
     _open_round(etcd_client, keys, 1, [("n0", agent.address)])
-    _wait(lambda: len(_running_steps(agent)) == 2 and min(_running_steps(agent)) > 2, 30, "two workers stepping")
+    wait_for(lambda: len(_running_steps(agent)) == 2 and min(_running_steps(agent)) > 2, 30, "two workers stepping")
     socket_mode = (Path(agent.config.socket_path).stat().st_mode & 0o777)
     assert socket_mode == 0o600
 
@@ -77,16 +68,17 @@ def test_registration_round_workers_and_worker_death(etcd_server: LocalEtcd, etc
     import os
     import signal
     os.kill(victim, signal.SIGKILL)
-    took = _wait(lambda: any(f.code == "worker-signal" for f in (_health(etcd_client, keys) or
-                                                                   records_pb2.HealthRecord()).findings),
-                 5, "the worker failure in the health record")
-    assert took < 0.5
+    killed = time.monotonic()
+    wait_for(lambda: any(f.code == "worker-signal" for f in (_health(etcd_client, keys) or
+                                                             records_pb2.HealthRecord()).findings),
+             5, "the worker failure in the health record")
+    assert time.monotonic() - killed < 0.5
     status = agent.status()
     assert [w.state for w in status.workers].count(agent_pb2.WORKER_FAILED) == 1
 
     # a new round without this node stops its workers
     _open_round(etcd_client, keys, 2, [("other", "127.0.0.1:1")])
-    _wait(lambda: agent.status().round == 2 and not agent.status().workers, 10, "workers stopped")
+    wait_for(lambda: agent.status().round == 2 and not agent.status().workers, 10, "workers stopped")
 
 
 def test_hung_worker_is_a_stall_and_a_slow_one_is_not(etcd_server: LocalEtcd, etcd_client: EtcdClient,
@@ -95,13 +87,14 @@ def test_hung_worker_is_a_stall_and_a_slow_one_is_not(etcd_server: LocalEtcd, et
     keys = JobKeys(job)
     agent = start_agent(_config(etcd_server, tmp_path, job))
     _open_round(etcd_client, keys, 1, [("n0", agent.address)])
-    _wait(lambda: len(_running_steps(agent)) == 2 and min(_running_steps(agent)) > 5, 30, "workers stepping")
+    wait_for(lambda: len(_running_steps(agent)) == 2 and min(_running_steps(agent)) > 5, 30, "workers stepping")
     # learned timeout: max(floor 1 s, 3 × 0.1 s) = 1 s; SIGSTOP rank 0 through fault injection
     stopped = time.monotonic()
     reply = _stub(agent).InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_HANG_WORKER, device=0), timeout=5)
     assert reply.applied
-    _wait(lambda: any(f.code == "stall" for f in (_health(etcd_client, keys) or records_pb2.HealthRecord()).findings),
-          5, "a stall in the health record")
+    wait_for(lambda: any(f.code == "stall"
+                         for f in (_health(etcd_client, keys) or records_pb2.HealthRecord()).findings),
+             5, "a stall in the health record")
     assert time.monotonic() - stopped <= 1.0 + 1.0 + 0.5  # timeout + 1 s, plus the injection call
     stalls = [f for f in _health(etcd_client, keys).findings if f.code == "stall"]  # type: ignore[union-attr]
     assert [f.device for f in stalls] == [0]  # rank 1 kept moving: not reported
@@ -114,17 +107,17 @@ def test_fake_gpu_faults_and_injection_rules(etcd_server: LocalEtcd, etcd_client
     agent = start_agent(_config(etcd_server, tmp_path, job))
     stub = _stub(agent)
     stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_GPU_XID, device=1, code=94), timeout=5)
-    _wait(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_TRANSIENT,
-          2, "a transient verdict")
+    wait_for(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_TRANSIENT,
+             2, "a transient verdict")
     injected = time.monotonic()
     stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_GPU_XID, device=0, code=79), timeout=5)
-    _wait(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_FATAL,
-          2, "a fatal verdict")
+    wait_for(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_FATAL,
+             2, "a fatal verdict")
     assert time.monotonic() - injected < 2
     assert stub.GetStatus(agent_pb2.StatusRequest(), timeout=5).health.state == records_pb2.HEALTH_FATAL
     stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR), timeout=5)
-    _wait(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_OK,
-          2, "health back to ok")
+    wait_for(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_OK,
+             2, "health back to ok")
 
 
 def test_fault_injection_refused_when_disabled(etcd_server: LocalEtcd, tmp_path: Path, start_agent) -> None:
@@ -169,10 +162,10 @@ def test_metrics_and_grpc_health(etcd_server: LocalEtcd, etcd_client: EtcdClient
                                                       timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     _open_round(etcd_client, keys, 1, [("n0", agent.address)])
-    _wait(lambda: len(_running_steps(agent)) == 2 and min(_running_steps(agent)) > 3, 30, "workers stepping")
+    wait_for(lambda: len(_running_steps(agent)) == 2 and min(_running_steps(agent)) > 3, 30, "workers stepping")
     _stub(agent).InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_GPU_XID, device=0, code=79), timeout=5)
-    _wait(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_FATAL,
-          2, "a fatal verdict")
+    wait_for(lambda: (_health(etcd_client, keys) or records_pb2.HealthRecord()).state == records_pb2.HEALTH_FATAL,
+             2, "a fatal verdict")
     text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).read().decode()
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
                if line and not line.startswith("#")}
@@ -180,6 +173,9 @@ def test_metrics_and_grpc_health(etcd_server: LocalEtcd, etcd_client: EtcdClient
     assert samples['stalwart_agent_round{node="n0"}'] == 1
     assert samples['stalwart_agent_health_findings{code="xid-79",node="n0",severity="HEALTH_FATAL"}'] == 1
     assert samples['stalwart_agent_faults_total{kind="injected-xid-79",node="n0"}'] == 1
+    # the workers' start to their first step, counted once for the node (its first rank)
+    assert samples['stalwart_badput_seconds_total{cause="startup",node="n0"}'] > 0
+    assert samples['stalwart_badput_seconds_total{cause="re-form",node="n0"}'] == 0
 
 
 def test_nvml_probe_without_a_gpu() -> None:
@@ -200,8 +196,8 @@ def test_peer_probes_name_the_unreachable_member(etcd_server: LocalEtcd, etcd_cl
     b = start_agent(_config(etcd_server, tmp_path / "b", job, node_id="n1"))
     _open_round(etcd_client, keys, 1, [("n0", a.address), ("n1", b.address), ("ghost", f"127.0.0.1:{free_port()}")])
     for node in ("n0", "n1"):
-        _wait(lambda node=node: list((_health(etcd_client, keys, node) or records_pb2.HealthRecord())
-                                     .unreachable_peers) == ["ghost"], 10, f"{node} reporting only the ghost")
+        wait_for(lambda node=node: list((_health(etcd_client, keys, node) or records_pb2.HealthRecord())
+                                        .unreachable_peers) == ["ghost"], 10, f"{node} reporting only the ghost")
 
 
 def test_drain_cordons_and_stops_workers(etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path,
@@ -210,14 +206,14 @@ def test_drain_cordons_and_stops_workers(etcd_server: LocalEtcd, etcd_client: Et
     keys = JobKeys(job)
     agent = start_agent(_config(etcd_server, tmp_path, job))
     _open_round(etcd_client, keys, 1, [("n0", agent.address)])
-    _wait(lambda: len(_running_steps(agent)) == 2, 30, "workers running")
+    wait_for(lambda: len(_running_steps(agent)) == 2, 30, "workers running")
     reply = _stub(agent).Drain(agent_pb2.DrainRequest(wait=True, timeout=20), timeout=30)
     assert reply.drained, reply.detail
     node = records_pb2.NodeRecord.FromString(etcd_client.get(keys.node("n0")).value)  # type: ignore[union-attr]
     assert node.cordoned
     assert _running_steps(agent) == []
     _open_round(etcd_client, keys, 2, [("n0", agent.address)])  # a drained node does not start workers again
-    _wait(lambda: agent.status().round == 2, 10, "round 2 seen")
+    wait_for(lambda: agent.status().round == 2, 10, "round 2 seen")
     assert _running_steps(agent) == []
 
 
@@ -229,12 +225,12 @@ def test_committed_checkpoint_of_rank_zero_is_recorded(etcd_server: LocalEtcd, e
     keys = JobKeys(job)
     agent = start_agent(_config(etcd_server, tmp_path, job))
     _open_round(etcd_client, keys, 3, [("n0", agent.address)])
-    _wait(lambda: agent.status().round == 3, 10, "round 3")
+    wait_for(lambda: agent.status().round == 3, 10, "round 3")
     for rank in (1, 0):
         client = AgentClient(str(agent.config.socket_path), rank=rank, local_rank=rank, round_number=3)
         client.checkpoint(120, "/ckpt/step-120", committed=True)
         client.close()
-    _wait(lambda: etcd_client.get(keys.ckpt(120)) is not None, 5, "the commit record")
+    wait_for(lambda: etcd_client.get(keys.ckpt(120)) is not None, 5, "the commit record")
     record = records_pb2.CheckpointRecord.FromString(etcd_client.get(keys.ckpt(120)).value)  # type: ignore[union-attr]
     assert (record.step, record.path, record.round, record.world_size) == (120, "/ckpt/step-120", 3, 2)
     kvs, _ = etcd_client.get_prefix(keys.ckpt_prefix)
@@ -247,11 +243,11 @@ def test_closed_round_stops_the_workers(etcd_server: LocalEtcd, etcd_client: Etc
     keys = JobKeys(job)
     agent = start_agent(_config(etcd_server, tmp_path, job))
     _open_round(etcd_client, keys, 4, [("n0", agent.address)])
-    _wait(lambda: len(_running_steps(agent)) == 2, 30, "workers running")
+    wait_for(lambda: len(_running_steps(agent)) == 2, 30, "workers running")
     record = records_pb2.RoundRecord.FromString(etcd_client.get(keys.round).value)  # type: ignore[union-attr]
     record.closed, record.reason = True, "too few nodes"
     etcd_client.put(keys.round, record.SerializeToString())
-    _wait(lambda: _running_steps(agent) == [], 10, "workers stopped")
+    wait_for(lambda: _running_steps(agent) == [], 10, "workers stopped")
     assert agent.status().round == 4
 
 
@@ -264,9 +260,9 @@ def test_injected_peer_traffic_drop_shows_in_both_directions(etcd_server: LocalE
     _open_round(etcd_client, keys, 1, [("n0", a.address), ("n1", b.address)])
     _stub(b).InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_DROP_PEERS), timeout=5)
     for node, peer in (("n0", "n1"), ("n1", "n0")):
-        _wait(lambda node=node, peer=peer: list((_health(etcd_client, keys, node) or records_pb2.HealthRecord())
-                                                .unreachable_peers) == [peer], 10, f"{node} not reaching {peer}")
+        wait_for(lambda node=node, peer=peer: list((_health(etcd_client, keys, node) or records_pb2.HealthRecord())
+                                                   .unreachable_peers) == [peer], 10, f"{node} not reaching {peer}")
     _stub(b).InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR), timeout=5)
     for node in ("n0", "n1"):
-        _wait(lambda node=node: not (_health(etcd_client, keys, node) or records_pb2.HealthRecord())
-              .unreachable_peers, 10, f"{node} reaching its peer again")
+        wait_for(lambda node=node: not (_health(etcd_client, keys, node) or records_pb2.HealthRecord())
+                 .unreachable_peers, 10, f"{node} reaching its peer again")

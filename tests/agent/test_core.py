@@ -103,3 +103,13 @@ def test_spares_wait_for_the_rounds_first_step_unless_the_node_needs_them_now() 
     assert spares_may_start(warming=False, replacing=False, workers=0, stepped=0)
     assert spares_may_start(warming=True, replacing=False, workers=2, stepped=0)
     assert spares_may_start(warming=False, replacing=True, workers=2, stepped=0)
+
+
+def test_lost_time_before_a_step_by_cause() -> None:
+    from stalwart.agent.core import lost_before_step
+
+    assert lost_before_step(12.0, 0.5, "startup") == ("startup", 11.5)
+    assert lost_before_step(1.5, 0.5, "re-form") == ("re-form", 1.0)
+    assert lost_before_step(3.0, 0.5, "") == ("pause", 2.5)
+    assert lost_before_step(0.9, 0.5, "") is None  # within two normal steps: not a pause
+    assert lost_before_step(0.4, 0.5, "re-form") is None
