@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import socket
 import stat
 import threading
 from collections.abc import Iterator
@@ -304,6 +305,7 @@ def start_node_server(config: AgentConfig, core: AgentCore, extra: list[object] 
     the address cannot be bound — also when another process serves it: ``SO_REUSEPORT``, which
     gRPC sets by default, would let two agents share a port silently.
     """
+    check_bindable(config.listen)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="agent-grpc"),
                          options=[("grpc.so_reuseport", 0)])
     agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(core), server)
@@ -323,6 +325,28 @@ def start_node_server(config: AgentConfig, core: AgentCore, extra: list[object] 
         raise BindError(f"listen: cannot bind {config.listen} (in use, or not an address of this host)")
     server.start()
     return server, port
+
+
+def check_bindable(listen: str) -> None:
+    """Bind ``HOST:PORT`` once with a plain socket, so that an address in use is reported with its
+    reason, as one line, before gRPC tries (its core would log its own error first)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or int(port) == 0:
+        return  # any free port: nothing to check
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BindError(f"listen: cannot bind {listen}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # As gRPC binds: SO_REUSEADDR, so connections of a previous run in TIME_WAIT do not count
+        # (Linux still refuses a port with a listener); no SO_REUSEPORT, which would share it.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise BindError(f"listen: cannot bind {listen}: {exc.strerror or exc}") from None
 
 
 def private_socket_dir(directory: Path) -> None:
