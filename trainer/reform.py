@@ -233,58 +233,42 @@ def _arrive(store: Any, spec: ReformSpec, timeout_s: float, superseded: Callable
             on_wait: Callable[[int, int], None] | None) -> None:
     """Join ``spec``'s arrival roster and wait until it is full (see :func:`join_world`).
 
-    The roster is one store key holding the ranks that arrived, changed only by compare-and-swap,
-    so that arriving, leaving and completing are atomic: once the roster is full nobody can leave
-    it (every rank will call ``init_process_group``, which cannot be interrupted), and a rank that
-    is superseded before that takes its rank out again, so nobody else enters a world it will
-    never join. A superseded rank that finds the roster full joins this round anyway: its newer
-    Reform is applied at the first step boundary, like any other. A replacement of a rank whose
-    first process died after arriving finds its rank there already."""
+    The roster is a counter on the store (``add`` is atomic) and a ``full`` mark set by the rank
+    that fills it, so arriving, leaving and filling are atomic and cost O(1) store operations a
+    rank, whatever the world size. Once the roster is full nobody can leave it (every rank will
+    call ``init_process_group``, which cannot be interrupted); a rank superseded before that
+    takes itself off again, so nobody else enters a world it will never join. A superseded rank
+    that finds the roster filled meanwhile joins this round anyway: its newer Reform is applied at
+    the first step boundary, like any other. Each rank arrives once: a replacement of a rank whose
+    first process died after arriving finds its mark and does not count twice."""
+    import os
     import time
 
-    key = "roster"
-    roster = _roster_update(store, key, lambda ranks: ranks | {spec.rank})
+    me = str(os.getpid()).encode()
+    mark = f"arrived/{spec.rank}"
+    if store.compare_set(mark, "", me) == me:  # not counted yet (a dead predecessor would be)
+        if store.add("count", 1) >= spec.world_size:
+            store.set("full", b"1")
     start = last_report = time.monotonic()
-    pause = 0.002
-    while len(roster) < spec.world_size:
+    pause, most = 0.002, min(0.5, max(0.02, spec.world_size * 0.0005))  # polls on rank 0's store stay bounded
+    while not store.check(["full"]):
         now = time.monotonic()
         if superseded():
-            roster = _roster_update(store, key, lambda ranks: ranks - {spec.rank},
-                                    unless=lambda ranks: len(ranks) >= spec.world_size)
-            if len(roster) < spec.world_size:
-                raise JoinSuperseded(spec.round)
-            break  # it filled meanwhile: every peer is on its way into the group
+            owner = store.compare_set(mark, me, b"")  # take our mark back, if it is ours
+            if owner == b"" and store.add("count", -1) + 1 >= spec.world_size:
+                store.compare_set(mark, b"", me)  # it had filled: this rank is in after all
+                store.add("count", 1)
+                break
+            raise JoinSuperseded(spec.round)
         if now - start > timeout_s:
-            missing = sorted(set(range(spec.world_size)) - roster)
-            raise TimeoutError(f"round {spec.round}: ranks {missing} did not arrive within {timeout_s:g} s")
+            arrived = store.add("count", 0)
+            raise TimeoutError(f"round {spec.round}: {arrived} of {spec.world_size} ranks arrived within "
+                               f"{timeout_s:g} s")
         if on_wait is not None and now - last_report >= 1.0:
             last_report = now
-            on_wait(len(roster), spec.world_size)
+            on_wait(int(store.add("count", 0)), spec.world_size)
         time.sleep(pause)
-        pause = min(0.02, pause * 2)
-        roster = _parse_roster(store.get(key))
-
-
-def _parse_roster(raw: bytes) -> set[int]:
-    return {int(r) for r in raw.decode().split(",") if r} if raw else set()
-
-
-def _roster_update(store: Any, key: str, change: Callable[[set[int]], set[int]],
-                   unless: Callable[[set[int]], bool] = lambda _ranks: False) -> set[int]:
-    """Apply ``change`` to the roster by compare-and-swap (retried on a concurrent change), unless
-    ``unless(roster)`` holds; returns the roster after."""
-    expected = store.compare_set(key, "", "")  # the current value ("" created if missing)
-    while True:
-        ranks = _parse_roster(expected)
-        if unless(ranks):
-            return ranks
-        desired = ",".join(str(r) for r in sorted(change(ranks))).encode()
-        if desired == expected:
-            return ranks
-        got = store.compare_set(key, expected, desired)
-        if got == desired:
-            return _parse_roster(got)
-        expected = got
+        pause = min(most, pause * 2)
 
 
 def _wait_listening(addr: str, port: int, timeout_s: float, superseded: Callable[[], bool] = lambda: False,

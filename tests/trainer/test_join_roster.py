@@ -48,7 +48,7 @@ def test_a_superseded_rank_takes_itself_off_so_a_late_peer_does_not_enter_the_gr
     late_superseded.set()
     t.join(30)
     assert isinstance(out[1], JoinSuperseded)
-    assert store.get("roster") == b""
+    assert store.add("count", 0) == 0 and not store.check(["full"])
 
 
 def test_a_rank_superseded_after_the_roster_filled_joins_anyway() -> None:
@@ -56,7 +56,7 @@ def test_a_rank_superseded_after_the_roster_filled_joins_anyway() -> None:
     never = threading.Event()
     first = threading.Thread(target=_run, args=(store, _spec(1, 2), never, out))
     first.start()
-    while store.compare_set("roster", "", "") != b"1":
+    while store.add("count", 0) != 1:
         pass
     gone = threading.Event()
     gone.set()
@@ -67,7 +67,8 @@ def test_a_rank_superseded_after_the_roster_filled_joins_anyway() -> None:
 
 def test_a_replacement_of_a_rank_that_died_after_arriving_is_not_counted_twice() -> None:
     store, never, out = dist.HashStore(), threading.Event(), {}
-    store.set("roster", b"1")  # rank 1's first process arrived, then died
+    store.set("arrived/1", b"4242")  # rank 1's first process (pid 4242) arrived, then died
+    store.add("count", 1)
     replacement = threading.Thread(target=_run, args=(store, _spec(1, 3), never, out))
     replacement.start()
     replacement.join(0.5)
