@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def python_child(code: str, *args: str) -> subprocess.Popen[str]:
@@ -12,6 +18,32 @@ def python_child(code: str, *args: str) -> subprocess.Popen[str]:
         [sys.executable, "-u", "-c", code, *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+
+
+def wait_for(pred: Callable[[], T], timeout: float, what: str, logs: Path | None = None, *,
+             interval: float = 0.02, retry_on: tuple[type[BaseException], ...] = ()) -> T:
+    """Poll ``pred`` until it returns something true, and return that.
+
+    After ``timeout`` seconds raise AssertionError naming ``what``, with the last lines of each
+    ``*.log`` in the folder ``logs`` when given. An exception of a ``retry_on`` type counts as
+    "not yet".
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = pred()
+            if value:
+                return value
+        except retry_on:
+            pass
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(interval)
+    message = f"timed out after {timeout} s waiting for {what}"
+    if logs is not None:
+        message += "\n" + "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:])
+                                     for p in sorted(logs.glob("*.log")))
+    raise AssertionError(message)
 
 
 def torchrun(script: str, *script_args: str, nnodes: str, endpoint: str, job: str, node: str,

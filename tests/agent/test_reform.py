@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -25,6 +24,7 @@ from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd
 from stalwart.proto import agent_pb2, records_pb2
+from testkit import wait_for
 
 WORKER = str(Path(__file__).with_name("reform_worker.py"))
 
@@ -47,15 +47,6 @@ def _open_round(client: EtcdClient, keys: JobKeys, number: int, members: list[st
         record.members.add(node_id=node, node_rank=i, first_rank=2 * i, local_world_size=2,
                            address="127.0.0.1:1" if node != "n0" else "")
     client.put(keys.round, record.SerializeToString())
-
-
-def _wait(pred: Callable[[], object], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def _events(path: Path) -> list[tuple[str, int, int, int, int, int, float]]:
@@ -94,8 +85,8 @@ def test_survivor_is_reformed_in_place_and_a_spare_takes_the_lost_rank(
     monkeypatch.setenv("EVENTS", str(events))  # inherited by the agent's workers and spares
     agent = start_agent(_config(etcd_server, tmp_path, job, spares=1))
     _open_round(etcd_client, keys, 1, ["n0"], 29501)
-    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
-    _wait(lambda: _ready_spares(agent), 30, "a ready spare")
+    wait_for(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
+    wait_for(lambda: _ready_spares(agent), 30, "a ready spare")
     spare = _ready_spares(agent)[0]
     survivor, victim = _workers(agent, 1)[0], _workers(agent, 1)[1]
     assert spare not in (survivor, victim)
@@ -109,11 +100,11 @@ def test_survivor_is_reformed_in_place_and_a_spare_takes_the_lost_rank(
         return kv is not None and any(f.code == "worker-signal"
                                       for f in records_pb2.HealthRecord.FromString(kv.value).findings)
 
-    _wait(failure_reported, 5, "the worker failure in etcd")
+    wait_for(failure_reported, 5, "the worker failure in etcd")
     reported = time.time()
     _open_round(etcd_client, keys, 2, ["n0"], 29502)
     opened = time.time()
-    _wait(lambda: len(_workers(agent, 2, min_step=0)) == 2, 15, "both local ranks acknowledged in round 2")
+    wait_for(lambda: len(_workers(agent, 2, min_step=0)) == 2, 15, "both local ranks acknowledged in round 2")
     acked = time.time()
 
     got = _events(events)
@@ -134,8 +125,8 @@ def test_survivor_is_reformed_in_place_and_a_spare_takes_the_lost_rank(
           f"both acknowledged and stepping by {acked - killed:.3f} s")
 
     # both make progress in round 2, and a new spare replaces the one taken
-    _wait(lambda: len(_workers(agent, 2, min_step=5)) == 2, 15, "both ranks stepping in round 2")
-    _wait(lambda: [p for p in _ready_spares(agent) if p != spare], 30, "a new ready spare")
+    wait_for(lambda: len(_workers(agent, 2, min_step=5)) == 2, 15, "both ranks stepping in round 2")
+    wait_for(lambda: [p for p in _ready_spares(agent) if p != spare], 30, "a new ready spare")
     metrics = generate_latest(agent.metrics.registry).decode()
     assert 'stalwart_agent_spare_assignments_total{node="n0"} 1.0' in metrics
     assert 'stalwart_agent_reforms_total{node="n0",outcome="acknowledged"} 2.0' in metrics
@@ -144,7 +135,7 @@ def test_survivor_is_reformed_in_place_and_a_spare_takes_the_lost_rank(
     # a killed spare is just replaced: no worker finding, no round change
     second = _ready_spares(agent)[0]
     os.kill(second, signal.SIGKILL)
-    _wait(lambda: [p for p in _ready_spares(agent) if p not in (spare, second)], 30, "a third spare")
+    wait_for(lambda: [p for p in _ready_spares(agent) if p not in (spare, second)], 30, "a third spare")
     assert _workers(agent, 2) == {0: survivor, 1: spare}
     kv = etcd_client.get(keys.health("n0"))
     assert kv is not None and not records_pb2.HealthRecord.FromString(kv.value).findings
@@ -160,16 +151,16 @@ def test_worker_that_ignores_its_reform_is_killed_and_replaced(
     monkeypatch.setenv("IGNORE_REFORM_RANK", "1")
     agent = start_agent(_config(etcd_server, tmp_path, job, reform_timeout=1.5))
     _open_round(etcd_client, keys, 1, ["n0"], 29511)
-    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
+    wait_for(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
     keeper, stubborn = _workers(agent, 1)[0], _workers(agent, 1)[1]
     # round 2: another node comes first, so n0's ranks move from 0, 1 to 2, 3 of 4
     _open_round(etcd_client, keys, 2, ["other", "n0"], 29512)
     opened = time.monotonic()
-    _wait(lambda: not psutil.pid_exists(stubborn) or psutil.Process(stubborn).status() == psutil.STATUS_ZOMBIE,
-          10, "the stubborn worker killed")
+    wait_for(lambda: not psutil.pid_exists(stubborn) or psutil.Process(stubborn).status() == psutil.STATUS_ZOMBIE,
+             10, "the stubborn worker killed")
     took = time.monotonic() - opened
     assert 1.5 <= took < 1.5 + 2.0, took
-    _wait(lambda: len(_workers(agent, 2, min_step=3)) == 2, 30, "both ranks stepping in round 2")
+    wait_for(lambda: len(_workers(agent, 2, min_step=3)) == 2, 30, "both ranks stepping in round 2")
     workers = _workers(agent, 2)
     assert workers[0] == keeper and workers[1] != stubborn
     got = _events(events)
@@ -192,10 +183,10 @@ def test_restart_everything_when_reform_in_place_is_off(
     monkeypatch.setenv("EVENTS", str(events))
     agent = start_agent(_config(etcd_server, tmp_path, job, reform_in_place=False))
     _open_round(etcd_client, keys, 1, ["n0"], 29521)
-    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
+    wait_for(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
     old = set(_workers(agent, 1).values())
     _open_round(etcd_client, keys, 2, ["n0"], 29522)
-    _wait(lambda: len(_workers(agent, 2, min_step=1)) == 2, 30, "two workers stepping in round 2")
+    wait_for(lambda: len(_workers(agent, 2, min_step=1)) == 2, 30, "two workers stepping in round 2")
     assert not old & set(_workers(agent, 2).values())
     assert not [e for e in _events(events) if e[0] == "reform"]
     assert not agent.status().spares
@@ -211,10 +202,10 @@ def test_worker_without_a_reform_handler_is_restarted(
     monkeypatch.setenv("NO_REFORM", "1")
     agent = start_agent(_config(etcd_server, tmp_path, job))
     _open_round(etcd_client, keys, 1, ["n0"], 29531)
-    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
+    wait_for(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
     old = set(_workers(agent, 1).values())
     _open_round(etcd_client, keys, 2, ["n0"], 29532)
-    _wait(lambda: len(_workers(agent, 2, min_step=1)) == 2, 30, "two workers stepping in round 2")
+    wait_for(lambda: len(_workers(agent, 2, min_step=1)) == 2, 30, "two workers stepping in round 2")
     assert not old & set(_workers(agent, 2).values())
     assert not [e for e in _events(events) if e[0] == "reform"]
 
@@ -241,11 +232,11 @@ def test_faults_stalls_and_drain_reach_reformed_workers_and_spares(
     agent = start_agent(_config(etcd_server, tmp_path, job, spares=1, stall_floor=1.0, stall_factor=3.0))
     stub = agent_pb2_grpc.AgentStub(grpc.insecure_channel(f"127.0.0.1:{agent.port}"))
     _open_round(etcd_client, keys, 1, ["n0"], 29541)
-    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2 and _ready_spares(agent), 30, "workers and a spare")
+    wait_for(lambda: len(_workers(agent, 1, min_step=3)) == 2 and _ready_spares(agent), 30, "workers and a spare")
     spare = _ready_spares(agent)[0]
     os.kill(_workers(agent, 1)[1], signal.SIGKILL)
     _open_round(etcd_client, keys, 2, ["n0"], 29542)
-    _wait(lambda: len(_workers(agent, 2, min_step=3)) == 2, 15, "both ranks stepping in round 2")
+    wait_for(lambda: len(_workers(agent, 2, min_step=3)) == 2, 15, "both ranks stepping in round 2")
     assert _workers(agent, 2)[1] == spare
     assert agent.channels.connected()[1] == spare  # the spare's stream now serves local rank 1
 
@@ -256,24 +247,24 @@ def test_faults_stalls_and_drain_reach_reformed_workers_and_spares(
         kv = etcd_client.get(keys.health("n0"))
         return list(records_pb2.HealthRecord.FromString(kv.value).findings) if kv else []
 
-    _wait(lambda: [f for f in findings() if f.code == "stall"], 10, "the stall of the re-formed worker")
+    wait_for(lambda: [f for f in findings() if f.code == "stall"], 10, "the stall of the re-formed worker")
     stall = next(f for f in findings() if f.code == "stall")
     assert (stall.device, stall.round) == (0, 2)
     # the former spare dies: a worker failure of rank 1 in round 2
     stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_KILL_WORKER, device=1), timeout=5)
-    _wait(lambda: [f for f in findings() if f.code == "worker-signal"], 5, "the failure of the former spare")
+    wait_for(lambda: [f for f in findings() if f.code == "worker-signal"], 5, "the failure of the former spare")
     failure = next(f for f in findings() if f.code == "worker-signal")
     assert failure.round == 2 and "rank 1:" in failure.detail
     # round 3: the stopped worker is not kept (it is killed), both places get new processes or spares
-    _wait(lambda: _ready_spares(agent), 30, "a new spare")
+    wait_for(lambda: _ready_spares(agent), 30, "a new spare")
     hung = _workers(agent, 2)[0] if 0 in _workers(agent, 2) else agent.status().workers[0].pid
     _open_round(etcd_client, keys, 3, ["n0"], 29543)
-    _wait(lambda: len(_workers(agent, 3, min_step=1)) == 2, 30, "both ranks stepping in round 3")
+    wait_for(lambda: len(_workers(agent, 3, min_step=1)) == 2, 30, "both ranks stepping in round 3")
     assert hung not in _workers(agent, 3).values()
     # drain: workers and spares stop, and no spare starts again
     reply = stub.Drain(agent_pb2.DrainRequest(wait=True, timeout=20), timeout=30)
     assert reply.drained, reply.detail
-    _wait(lambda: not agent.status().spares, 10, "spares stopped")
+    wait_for(lambda: not agent.status().spares, 10, "spares stopped")
     time.sleep(1.0)
     assert not agent.status().spares and not _workers(agent, 3)
 
@@ -296,8 +287,8 @@ time.sleep(120)
         assert (tmp_path / "spares" / f"spare-{pid}.log").exists()
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
-        _wait(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 5,
-              "the spare to die with its agent")
+        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 5,
+                 "the spare to die with its agent")
     finally:
         if agent.poll() is None:
             agent.kill()
@@ -331,15 +322,15 @@ def test_a_newer_round_before_the_spare_acknowledged_keeps_the_spare(
     monkeypatch.setenv("ASSIGN_DELAY", "1.0")
     agent = start_agent(_config(etcd_server, tmp_path, job, spares=1, reform_timeout=5.0))
     _open_round(etcd_client, keys, 1, ["n0"], 29551)
-    _wait(lambda: len(_workers(agent, 1, min_step=3)) == 2 and _ready_spares(agent), 30, "workers and a spare")
+    wait_for(lambda: len(_workers(agent, 1, min_step=3)) == 2 and _ready_spares(agent), 30, "workers and a spare")
     spare = _ready_spares(agent)[0]
     survivor = _workers(agent, 1)[0]
     os.kill(_workers(agent, 1)[1], signal.SIGKILL)
-    _wait(lambda: 1 not in _workers(agent, 1), 5, "the victim gone")
+    wait_for(lambda: 1 not in _workers(agent, 1), 5, "the victim gone")
     _open_round(etcd_client, keys, 2, ["n0"], 29552)
-    _wait(lambda: [e for e in _events(events) if e[0] == "assigned"], 10, "the spare assigned to round 2")
+    wait_for(lambda: [e for e in _events(events) if e[0] == "assigned"], 10, "the spare assigned to round 2")
     _open_round(etcd_client, keys, 3, ["other", "n0"], 29553)  # before the spare acknowledged round 2
-    _wait(lambda: len(_workers(agent, 3, min_step=3)) == 2, 20, "both ranks stepping in round 3")
+    wait_for(lambda: len(_workers(agent, 3, min_step=3)) == 2, 20, "both ranks stepping in round 3")
     assert _workers(agent, 3) == {0: survivor, 1: spare}
     got = _events(events)
     assert [e[2:6] for e in got if e[0] == "reform" and e[1] == spare] == [(3, 4, 3, 1)]

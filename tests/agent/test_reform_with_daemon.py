@@ -21,6 +21,7 @@ from stalwart.agent.node import NodeAgent
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.local import LocalEtcd
 from stalwart.proto import agent_pb2
+from testkit import wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 from daemon_testlib import DaemonProc, RoundLog, members, new_job  # noqa: E402
@@ -44,14 +45,6 @@ def agents() -> Iterator[Callable[[AgentConfig], NodeAgent]]:
     for agent, thread in started:
         agent.shutdown()
         thread.join(timeout=15)
-
-
-def _wait(pred: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def _pids(agent: NodeAgent, round_number: int, min_step: int = 0) -> list[int]:
@@ -79,8 +72,8 @@ def test_daemon_round_change_reforms_in_place(etcd_server: LocalEtcd, etcd_clien
         first = rounds.wait_number(1, timeout=60)
         assert members(first) == ["n0", "n1"]
         for n, agent in nodes.items():
-            _wait(lambda agent=agent: _pids(agent, 1, min_step=3), 60, f"{n}'s worker stepping in round 1")
-            _wait(lambda agent=agent: any(s.ready for s in agent.status().spares), 60, f"{n}'s spare ready")
+            wait_for(lambda agent=agent: _pids(agent, 1, min_step=3), 60, f"{n}'s worker stepping in round 1")
+            wait_for(lambda agent=agent: any(s.ready for s in agent.status().spares), 60, f"{n}'s spare ready")
         survivor = _pids(nodes["n0"], 1)[0]
         spare = next(s.pid for s in nodes["n1"].status().spares if s.ready)
         killed = time.time()
@@ -88,8 +81,8 @@ def test_daemon_round_change_reforms_in_place(etcd_server: LocalEtcd, etcd_clien
         second = rounds.wait_number(2, timeout=20)
         round_seen = time.time()
         assert members(second) == ["n0", "n1"]
-        _wait(lambda: _pids(nodes["n0"], 2, min_step=1) == [survivor] and _pids(nodes["n1"], 2, min_step=1) == [spare],
-              20, "the survivor and the spare stepping in round 2")
+        wait_for(lambda: _pids(nodes["n0"], 2, min_step=1) == [survivor]
+                 and _pids(nodes["n1"], 2, min_step=1) == [spare], 20, "the survivor and the spare stepping in round 2")
         stepping = time.time()
     finally:
         daemon.stop()

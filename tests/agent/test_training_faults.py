@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -17,6 +16,7 @@ from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+from testkit import wait_for
 
 WORKER = str(Path(__file__).with_name("worker_script.py"))
 
@@ -37,15 +37,6 @@ def _open_round(client: EtcdClient, keys: JobKeys, number: int, node: str, addre
     client.put(keys.round, record.SerializeToString())
 
 
-def _wait(pred: Callable[[], bool], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
 def _stub(agent: NodeAgent) -> agent_pb2_grpc.AgentStub:
     return agent_pb2_grpc.AgentStub(grpc.insecure_channel(f"127.0.0.1:{agent.port}"))
 
@@ -62,14 +53,14 @@ def test_nan_and_spike_reach_the_workers_fault_handler(etcd_server: LocalEtcd, e
     keys = JobKeys(job)
     agent = start_agent(_config(etcd_server, tmp_path, job))
     _open_round(etcd_client, keys, 1, "n0", agent.address)
-    _wait(lambda: len(_steps(agent)) == 2 and min(_steps(agent)) > 1, 30, "two workers stepping")
-    _wait(lambda: len(agent.channels.connected()) == 2, 10, "two progress streams")
+    wait_for(lambda: len(_steps(agent)) == 2 and min(_steps(agent)) > 1, 30, "two workers stepping")
+    wait_for(lambda: len(agent.channels.connected()) == 2, 10, "two progress streams")
     stub = _stub(agent)
     reply = stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_NAN_LOSS, device=1, step=40), timeout=5)
     assert reply.applied and "local rank 1" in reply.detail
     stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_LOSS_SPIKE, device=0, step=7, factor=12.5),
                      timeout=5)
-    _wait(lambda: fault_log.exists() and len(fault_log.read_text().splitlines()) == 2, 10, "both faults handled")
+    wait_for(lambda: fault_log.exists() and len(fault_log.read_text().splitlines()) == 2, 10, "both faults handled")
     assert sorted(fault_log.read_text().splitlines()) == ["0 spike 7 12.5", "1 nan 40 0.0"]
     with pytest.raises(grpc.RpcError) as err:  # no such worker
         stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_NAN_LOSS, device=5, step=1), timeout=5)
@@ -94,7 +85,7 @@ def test_slow_worker_gets_about_one_over_factor_of_the_progress(etcd_server: Loc
     keys = JobKeys(job)
     agent = start_agent(_config(etcd_server, tmp_path, job))
     _open_round(etcd_client, keys, 1, "n0", agent.address)
-    _wait(lambda: len(_steps(agent)) == 2 and min(_steps(agent)) > 5, 30, "two workers stepping")
+    wait_for(lambda: len(_steps(agent)) == 2 and min(_steps(agent)) > 5, 30, "two workers stepping")
     stub = _stub(agent)
     with pytest.raises(grpc.RpcError):  # a factor must slow down
         stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_SLOW_WORKER, device=1, factor=1.0), timeout=5)
@@ -122,4 +113,4 @@ def test_slow_worker_gets_about_one_over_factor_of_the_progress(etcd_server: Loc
     stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_SLOW_WORKER, device=0, factor=3.0), timeout=5)
     throttle = agent._throttles[0]
     stub.InjectFault(agent_pb2.FaultRequest(kind=agent_pb2.FAULT_KILL_WORKER, device=0), timeout=5)
-    _wait(lambda: not throttle.alive, 5, "the throttle to end with its worker")
+    wait_for(lambda: not throttle.alive, 5, "the throttle to end with its worker")

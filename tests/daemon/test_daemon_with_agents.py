@@ -17,9 +17,12 @@ from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+from testkit import wait_for
 
 WORKER = str(Path(__file__).resolve().parents[1] / "agent" / "worker_script.py")
 STALWART = str(Path(sys.executable).with_name("stalwart"))
+
+RPC = (grpc.RpcError,)  # an agent or daemon not answering yet: try again
 
 
 def _start_agent(etcd: LocalEtcd, job: str, node: str, tmp_path: Path) -> subprocess.Popen[bytes]:
@@ -55,20 +58,6 @@ def _running(client: EtcdClient, job: str, node: str, round_number: int) -> list
     return [w.pid for w in status.workers if w.state == agent_pb2.WORKER_RUNNING]
 
 
-def _wait(pred, timeout: float, what: str, logs: Path) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.1)
-    tails = "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
-                      for p in sorted(logs.glob("*.log")))
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")
-
-
 def test_worker_death_restarts_the_round_and_a_dead_agent_shrinks_it(
         etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path) -> None:
     job = new_job()
@@ -80,7 +69,8 @@ def test_worker_death_restarts_the_round_and_a_dead_agent_shrinks_it(
         first = rounds.wait_number(1, timeout=60)
         assert members(first) == ["n0", "n1", "n2"]
         for n in agents:
-            _wait(lambda n=n: _running(etcd_client, job, n, 1), 60, f"{n}'s worker in round 1", tmp_path)
+            wait_for(lambda n=n: _running(etcd_client, job, n, 1), 60, f"{n}'s worker in round 1", tmp_path,
+                     retry_on=RPC)
 
         # a worker dies: the agent reports it, the daemon restarts the round with the same members
         victim = _running(etcd_client, job, "n1", 1)[0]
@@ -88,7 +78,8 @@ def test_worker_death_restarts_the_round_and_a_dead_agent_shrinks_it(
         second = rounds.wait_number(2, timeout=15)
         assert members(second) == ["n0", "n1", "n2"] and "worker failed" in second.reason
         for n in agents:
-            _wait(lambda n=n: _running(etcd_client, job, n, 2), 60, f"{n}'s worker in round 2", tmp_path)
+            wait_for(lambda n=n: _running(etcd_client, job, n, 2), 60, f"{n}'s worker in round 2", tmp_path,
+                     retry_on=RPC)
 
         # an agent dies: its worker goes with it, its lease expires, the world shrinks
         worker = psutil.Process(_running(etcd_client, job, "n2", 2)[0])

@@ -26,12 +26,15 @@ from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd, free_port
 from stalwart.daemon.status import format_table, read_status
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+from testkit import wait_for
 
 AGENT_TESTS = Path(__file__).resolve().parents[1] / "agent"
 GLOO_WORKER = str(AGENT_TESTS / "gloo_worker.py")
 WORKER = str(AGENT_TESTS / "worker_script.py")
 STALWART = str(Path(sys.executable).with_name("stalwart"))
 pytestmark = pytest.mark.timeout(240)
+
+RPC = (grpc.RpcError,)  # an agent or daemon not answering yet: try again
 
 
 def _agent(etcd: LocalEtcd, job: str, node: str, tmp_path: Path, script: str,
@@ -110,25 +113,10 @@ def _daemon_status(client: EtcdClient, job: str) -> records_pb2.DaemonStatus:
     return records_pb2.DaemonStatus.FromString(kv.value) if kv else records_pb2.DaemonStatus()
 
 
-def _wait(pred: Callable[[], object], timeout: float, what: str, logs: Path) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = pred()
-            if value:
-                return value
-        except grpc.RpcError:
-            pass
-        time.sleep(0.05)
-    tails = "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:])
-                      for p in sorted(logs.glob("*.log")))
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")
-
-
 def _slow_node(client: EtcdClient, job: str, tmp_path: Path) -> tuple[int, float]:
     """Wait for training, slow n1's worker 2x; the step then, and when."""
-    _wait(lambda: all((p := _progress(client, job, n)) and p.step >= 15 and p.busy_time > 0
-                      for n in ("n0", "n1", "n2")), 90, "three nodes training", tmp_path)
+    wait_for(lambda: all((p := _progress(client, job, n)) and p.step >= 15 and p.busy_time > 0
+                         for n in ("n0", "n1", "n2")), 90, "three nodes training", tmp_path, retry_on=RPC)
     reply = _node_stub(client, job, "n1").InjectFault(
         agent_pb2.FaultRequest(kind=agent_pb2.FAULT_SLOW_WORKER, device=0, factor=2.0), timeout=5)
     assert reply.applied
@@ -150,7 +138,8 @@ def test_a_2x_slowed_worker_is_reported_as_a_straggler(etcd_client: EtcdClient, 
     assert members(rounds.wait_number(1, timeout=60)) == ["n0", "n1", "n2"]
     assert not _daemon_status(etcd_client, job).stragglers
     slowed_at, t0 = _slow_node(etcd_client, job, tmp_path)
-    status = _wait(lambda: (s := _daemon_status(etcd_client, job)).stragglers and s, 60, "a straggler", tmp_path)
+    status = wait_for(lambda: (s := _daemon_status(etcd_client, job)).stragglers and s, 60, "a straggler", tmp_path,
+                      retry_on=RPC)
     took = time.monotonic() - t0
     [s] = status.stragglers  # type: ignore[attr-defined]
     found_at = _progress(etcd_client, job, "n0").step  # type: ignore[union-attr]
@@ -180,7 +169,8 @@ def test_with_exclude_stragglers_the_straggler_leaves_at_the_next_checkpoint(
         start_agent(job, n, tmp_path, GLOO_WORKER, env={"CKPT_EVERY": "15"})
     assert members(rounds.wait_number(1, timeout=60)) == ["n0", "n1", "n2"]
     _slow_node(etcd_client, job, tmp_path)
-    status = _wait(lambda: (s := _daemon_status(etcd_client, job)).stragglers and s, 60, "a straggler", tmp_path)
+    status = wait_for(lambda: (s := _daemon_status(etcd_client, job)).stragglers and s, 60, "a straggler", tmp_path,
+                      retry_on=RPC)
     detected_step = status.stragglers[0].since_step  # type: ignore[attr-defined]
     second = rounds.wait_number(2, timeout=60)
     assert members(second) == ["n0", "n2"], members(second)
@@ -188,10 +178,10 @@ def test_with_exclude_stragglers_the_straggler_leaves_at_the_next_checkpoint(
     assert second.restore_step > detected_step  # left at a checkpoint taken after it was found
     hold = records_pb2.CordonRecord.FromString(etcd_client.get(JobKeys(job).cordon("n1")).value)  # type: ignore[union-attr]
     assert hold.kind == records_pb2.HOLD_DRAIN and "straggler" in hold.reason and hold.by.startswith("daemon")
-    _wait(lambda: any(s.node_id == "n1" and s.excluded for s in _daemon_status(etcd_client, job).stragglers),
-          10, "the excluded straggler in the status record", tmp_path)
-    _wait(lambda: (p := _progress(etcd_client, job, "n0")) and p.round == 2 and p.step > second.restore_step + 3,
-          60, "round 2 training without n1", tmp_path)
+    wait_for(lambda: any(s.node_id == "n1" and s.excluded for s in _daemon_status(etcd_client, job).stragglers),
+             10, "the excluded straggler in the status record", tmp_path, retry_on=RPC)
+    wait_for(lambda: (p := _progress(etcd_client, job, "n0")) and p.round == 2 and p.step > second.restore_step + 3,
+             60, "round 2 training without n1", tmp_path, retry_on=RPC)
 
 
 def test_a_worker_that_gives_up_closes_the_job(etcd_client: EtcdClient, tmp_path: Path,
@@ -205,7 +195,8 @@ def test_a_worker_that_gives_up_closes_the_job(etcd_client: EtcdClient, tmp_path
     assert members(rounds.wait_number(1, timeout=60)) == ["n0", "n1"]
     closed = rounds.wait(lambda r: r.number == 1 and r.closed, timeout=30)
     assert closed.reason.startswith("the job gave up") and "n1" in closed.reason, closed.reason
-    _wait(lambda: _daemon_status(etcd_client, job).reason.startswith("the job gave up"), 10, "the status", tmp_path)
+    wait_for(lambda: _daemon_status(etcd_client, job).reason.startswith("the job gave up"), 10, "the status", tmp_path,
+             retry_on=RPC)
     time.sleep(3)  # no restart follows
     assert [r.number for r in rounds.records] == [1, 1], [(r.number, r.closed, r.reason) for r in rounds.records]
     table = format_table(read_status(etcd_client, job))
