@@ -348,7 +348,7 @@ class Checkpointer:
         record: dict[str, Any] = {"rank": self.rank}
         local_error: BaseException | None = None
         persist_s = 0.0
-        failed = False
+        failed: CheckpointError | None = None
         with contextlib.ExitStack() as stack:
             try:
                 storage.ensure_step_dir(self.root, step)
@@ -375,8 +375,7 @@ class Checkpointer:
             except _Refused as refused:
                 # Known not committed by us: remove what this save wrote (a full disk must not stay full).
                 self._discard(step_dir, record)
-                failed = True
-                handle._future.set_exception(refused.error)
+                failed = refused.error
             except CheckpointError as exc:  # the outcome is unknown (rank 0 may have committed): keep the file
                 handle._future.set_exception(exc)
                 return
@@ -385,9 +384,10 @@ class Checkpointer:
                 failure.__cause__ = exc
                 handle._future.set_exception(failure)
                 return
-        if failed:
+        if failed is not None:
             if self.rank == 0:
                 self._remove_if_empty(step_dir)
+            handle._future.set_exception(failed)  # after the clean-up: a caller sees it done
             return
         if handle._keep is not None:
             self._kept, self._kept_arena = handle._keep, handle._keep_arena

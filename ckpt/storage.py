@@ -300,7 +300,7 @@ def write_fence(root: str, fence: int) -> None:
 def root_commit_lock(root: str) -> Iterator[None]:
     """Serialize commits under ``root`` on this host (and on file systems with working flock), so
     the fence check and the manifest link of one commit are not interleaved with another's."""
-    fd = os.open(os.path.join(root, ".commit.lock"), os.O_RDONLY | os.O_CREAT | _NOFOLLOW, 0o644)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # the root itself: no extra file in it
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -20,9 +20,9 @@ from ckpt_testlib import SPECS, check_targets, rank_state, rank_targets, run_ran
 from stalwart.ckpt import (
     CallbackCoordinator,
     CheckpointCorrupt,
+    Checkpointer,
     CheckpointError,
     CheckpointExists,
-    Checkpointer,
     CommitFailed,
     LayoutMismatch,
     RetentionPolicy,
