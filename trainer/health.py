@@ -253,7 +253,7 @@ def read_journal(checkpoint_dir: str) -> list[dict[str, Any]]:
 
 def write_journal(checkpoint_dir: str, ledger: RollbackLedger) -> None:
     """Replace the journal atomically (written by rank 0 at each rollback, before the restore)."""
-    from stalwart.ckpt.storage import atomic_write
+    from stalwart.ckpt import atomic_write
 
     os.makedirs(checkpoint_dir, exist_ok=True)
     body = json.dumps({"format": 1, "rollbacks": ledger.to_json()}, indent=1).encode()

@@ -76,8 +76,8 @@ from stalwart.ckpt import (
     list_checkpoints,
     load,
     read_manifest,
+    set_aside,
 )
-from stalwart.ckpt.storage import set_aside
 from stalwart.proto.contract import ENV_ROUND, ENV_SPARE
 from stalwart.trainer.agent_client import AgentClient
 from stalwart.trainer.batching import DataPosition, GlobalBatchSampler, StepBatch, accumulation_steps
@@ -710,7 +710,7 @@ class Trainer:
     def _leave(self) -> None:
         """Drop everything of the old world; never raises (the old world may be broken)."""
         self._leave_started = time.perf_counter()
-        handle = self.checkpointer._inflight  # noqa: SLF001 - the one save that may still be running
+        handle = self.checkpointer.inflight()  # the one save that may still be running
         if handle is not None and not handle.done() and not handle.wait_snapshot(5.0):
             log.warning("rank %d step %d: the snapshot of step %d did not finish", self.rank, self.step, handle.step)
         if handle is None or handle.done():
