@@ -12,10 +12,12 @@ Threads and what they own:
 
 At a new round the agent re-forms in place (``reform_in_place``): each worker that is alive,
 connected, healthy and able to re-form keeps its process and is sent ``Reform`` with its new rank;
-ranks that are gone are stopped; empty local ranks take a warm spare, else a new process. A kept
-worker or spare that does not acknowledge (a Hello for the new round) within ``reform_timeout``
-is SIGKILLed and replaced, so a re-form is never waited on forever. With ``reform_in_place =
-false`` every round change stops all workers and starts new ones.
+ranks that are gone are stopped (off the main loop); empty local ranks take a warm spare, else a
+new process. A kept worker or spare that has not begun its re-form (left its old world) within
+``reform_timeout``, or is stopped, or lost its channel, is SIGKILLed and replaced; one that began
+waits for its peers as long as they take. The decisions themselves are pure functions in
+``core.py``. With ``reform_in_place = false`` every round change stops all workers and starts new
+ones. A node outside an open round warms a spare per worker before it says it is ready to join.
 """
 
 from __future__ import annotations
@@ -519,9 +521,10 @@ class NodeAgent:
         return state
 
     def _check_reforms(self, now: float) -> None:
-        """Workers whose re-form is overdue: a stopped or disconnected one is killed (the main
-        loop refills its place); a running, connected one is waiting for its peers and is left
-        to wait (``core.overdue_reform``): membership is the daemon's to change, not ours."""
+        """Workers whose re-form is overdue (``core.overdue_reform``): one that is stopped, lost
+        its channel or never began is killed (the main loop refills its place); one that said it
+        left its old world waits for its peers as long as it takes: membership is the daemon's to
+        change, not ours."""
         connected = self.channels.connected()
         spare_streams = self.channels.spares()
         with self._lock:
