@@ -176,7 +176,8 @@ class GlobalBatchSampler:
 
     def _take(self, epoch: int, start: int) -> list[int] | None:
         """The next ``global_batch`` positions of ``epoch`` from ``start`` outside skipped windows."""
-        want, out, p = self.global_batch, [], start
+        want, p = self.global_batch, start
+        out: list[int] = []
         for ws, we in self._skip.get(epoch, ()):
             if we <= p:
                 continue
