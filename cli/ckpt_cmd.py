@@ -48,12 +48,12 @@ def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
 
     @functools.wraps(run)
     def wrapper(args: argparse.Namespace) -> int:
-        from stalwart.ckpt import CheckpointError
-
-        problem = _root_problem(args.root)
+        problem = _root_problem(args.root)  # before importing torch: a typo fails fast
         if problem:
             _error(problem)
             return EXIT_USAGE
+        from stalwart.ckpt import CheckpointError
+
         try:
             return run(args)
         except (CheckpointError, OSError) as exc:
