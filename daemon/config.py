@@ -34,6 +34,7 @@ from stalwart.daemon.policy import RoundPolicy
 __all__ = ["ConfigError", "DaemonConfig", "DaemonSettings", "default_daemon_id", "load_config"]
 
 TABLES = ("daemon", "etcd", "policy")
+SECRET_KEYS = frozenset({"password", "password_file"})
 
 
 class ConfigError(DaemonError, ValueError):
@@ -151,7 +152,11 @@ def load_config(path: str | os.PathLike[str] | None = None,
         table = data.get(name, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: [{name}] must be a table, got {table!r}")
-        tables[name] = {**table, **dict((overrides or {}).get(name, {}))}
+        given = dict((overrides or {}).get(name, {}))
+        if name == "etcd" and given.keys() & SECRET_KEYS:
+            # password and password_file are one setting: a flag's (or the environment's) wins
+            table = {k: v for k, v in table.items() if k not in SECRET_KEYS}
+        tables[name] = {**table, **given}
     etcd_table = tables["etcd"]
     if isinstance(etcd_table.get("endpoints"), list):
         etcd_table["endpoints"] = tuple(etcd_table["endpoints"])

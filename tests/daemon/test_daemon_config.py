@@ -52,6 +52,22 @@ def test_password_may_come_from_the_environment(tmp_path: Path) -> None:
     assert config.etcd.user == "u" and config.etcd.password == "s3cret"
 
 
+def test_password_may_come_from_a_file_and_a_flag_or_the_environment_wins(tmp_path: Path) -> None:
+    secret = tmp_path / "etcd.password"
+    secret.write_text("from-file\n")
+    path = _write(tmp_path, f'[daemon]\njob = "a"\n[etcd]\nuser = "u"\npassword_file = "{secret}"\n')
+    assert load_config(path, daemon_cmd.overrides_from(_flags(), environ={})).etcd.password == "from-file"
+    env = daemon_cmd.overrides_from(_flags(), environ={daemon_cmd.PASSWORD_ENV: "from-env"})
+    assert load_config(path, env).etcd.password == "from-env"
+
+
+def test_a_misspelt_key_gets_a_suggestion(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"lease_tll: unknown setting \(did you mean 'lease_ttl'\?\)"):
+        load_config(_write(tmp_path, '[daemon]\njob = "a"\nlease_tll = 3\n'))
+    with pytest.raises(ConfigError, match=r"exclude_stragglers: must be true or false without quotes"):
+        load_config(_write(tmp_path, '[daemon]\njob = "a"\n[policy]\nexclude_stragglers = "false"\n'))
+
+
 @pytest.mark.parametrize("text", [
     '[daemon]\njob = "a"\n[policy]\nmin_nodes = 5\nmax_nodes = 3\n',  # min_nodes > max_nodes
     '[daemon]\njob = "a"\n[policy]\nmax_nodez = 3\n',  # typo in a policy key
