@@ -622,7 +622,9 @@ class NodeAgent:
                 in_round=rnd is not None and any(m.node_id == self.config.node_id for m in rnd.members),
                 round_open=rnd is not None and not rnd.closed, workers=self.config.workers,
                 ready_spares=sum(1 for sp in self.spare_pool.status() if sp.warm),
-                spares_disabled=bool(self.spare_pool.disabled), reform_in_place=self.config.reform_in_place,
+                # spares = 0: the command is not known to run as a spare, so there is nothing to warm
+                spares_disabled=bool(self.spare_pool.disabled) or self.config.spares == 0,
+                reform_in_place=self.config.reform_in_place,
                 warming_for=None if warming is None else now - warming)
             readiness = join_readiness(facts, self.config.replace_timeout)
             if readiness.ready and warming is not None:
@@ -704,16 +706,27 @@ class NodeAgent:
                 self.stalls.forget(exit_.rank)
             if exit_.kind in (ExitKind.SUCCESS, ExitKind.STOPPED):
                 return
-            if pending is not None and exit_.kind is not ExitKind.GAVE_UP:
+            warm_spare = any(s.warm for s in self.spare_pool.status())
+            if pending is not None and exit_.kind is not ExitKind.GAVE_UP and (warm_spare or not self.config.spares):
                 # Died before acknowledging its re-form (it may have been dying already when the
                 # round came, or its old world's abort took it down): its place in this round is
-                # not lost, so fill it here instead of failing the round.
+                # not lost, so fill it here, with a warm spare, instead of failing the round.
                 log.error("agent %s: rank %d (pid %d) died while re-forming into round %d (%s); replacing it",
                           self.config.node_id, exit_.rank, exit_.pid, pending.round, exit_.reason,
                           extra={"node": self.config.node_id, "rank": exit_.rank, "round": pending.round})
                 self.metrics.reforms.labels(self.config.node_id, "died").inc()
                 self._commands.put(("refill", (pending.round, pending.local_rank, exit_.pid)))
                 return
+            if pending is not None and exit_.kind is not ExitKind.GAVE_UP:
+                # No warm spare: a new process would hold every peer of the round up for its whole
+                # start. Fail the round it was joining instead, and leave it while a spare warms.
+                log.error("agent %s: rank %d (pid %d) died while re-forming into round %d (%s) and no spare is "
+                          "warm: leaving the round while one warms", self.config.node_id, exit_.rank, exit_.pid,
+                          pending.round, exit_.reason,
+                          extra={"node": self.config.node_id, "rank": exit_.rank, "round": pending.round})
+                self.metrics.reforms.labels(self.config.node_id, "died").inc()
+                exit_ = dataclasses.replace(exit_, round=pending.round)
+                could_reform = True  # it was re-forming in place
             if exit_.kind is ExitKind.GAVE_UP:
                 # Not a worker failure (the daemon would restart the round): the job gave up.
                 self._state.gave_up = f"rank {exit_.rank}: {exit_.reason}"
