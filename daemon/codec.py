@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError, Message
 from stalwart.daemon.errors import DaemonError
 from stalwart.daemon.round_events import CheckpointCommitted, CloseRound, Health, Member, OpenRound
 from stalwart.proto import records_pb2
+from stalwart.proto.contract import GAVE_UP_PREFIX  # a closed round whose reason starts so stays closed
 
 __all__ = [
     "BadRecord", "FaultInfo", "Hold", "NodeInfo", "RoundInfo", "ckpt_summary", "decode_ckpt", "decode_cordon",
@@ -156,7 +157,6 @@ def decode_replacing(node_id: str, value: bytes) -> bool:
 
 
 GAVE_UP_CODE = "job-gave-up"
-GAVE_UP_PREFIX = "the job gave up"  # a closed round whose reason starts so stays closed
 
 
 def decode_gave_up(node_id: str, value: bytes) -> tuple[int, str] | None:

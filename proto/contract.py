@@ -17,10 +17,15 @@ __all__ = [
     "ENV_SOCKET",
     "ENV_SPARE",
     "EXIT_DIVERGED",
+    "GAVE_UP_PREFIX",
     "SOCKET_DIR_MODE",
     "SOCKET_MODE",
     "socket_target",
 ]
+
+GAVE_UP_PREFIX: Final = "the job gave up"
+"""How the reason of a round that the daemon closed because the job gave up starts (the round's
+record, read by agents: such a round stays closed, so its workers are stopped, not kept)."""
 
 ENV_SOCKET: Final = "STALWART_AGENT_SOCKET"
 """Path of the agent's unix socket, the progress channel (``stalwart.v1.Progress``). Unset: the
