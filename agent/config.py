@@ -120,6 +120,11 @@ class AgentConfig:
     replace_timeout: float = 300.0
 
     def __post_init__(self) -> None:
+        # Also when built in code rather than from a file: a truthy non-boolean must not turn
+        # off TLS or allow fault injection.
+        for name, value in (("insecure", self.insecure), ("fault_injection", self.fault_injection),
+                            ("tls.client_auth", self.tls.client_auth)):
+            _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         _check(bool(self.command), "command", "must name the program each worker runs")
         _check(self.workers >= 1, "workers", f"must be >= 1, got {self.workers}")
         _check(self.lease_ttl >= 2, "lease_ttl", f"must be >= 2 s (etcd's minimum), got {self.lease_ttl}")

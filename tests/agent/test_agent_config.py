@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.agent.config import AgentConfigError, load, security_warnings, tls_credentials
+from stalwart.agent.config import AgentConfig, AgentConfigError, TLSConfig, load, security_warnings, tls_credentials
 
 STALWART = str(Path(sys.executable).with_name("stalwart"))
 
@@ -55,6 +55,12 @@ def test_a_value_of_the_wrong_type_is_refused_naming_the_setting(tmp_path: Path,
     message = str(info.value)
     assert message.startswith(f"agent config: {setting}: ") and shown in message, message
     assert "\n" not in message
+
+
+def test_security_switches_built_in_code_must_be_booleans() -> None:
+    for kw in ({"insecure": "false"}, {"fault_injection": "false"}, {"tls": TLSConfig("a", "b", "c", "false")}):
+        with pytest.raises(AgentConfigError, match="must be true or false"):
+            AgentConfig(job="j", command=("python",), **kw)  # type: ignore[arg-type]
 
 
 def test_a_quoted_boolean_says_how_to_write_it(tmp_path: Path) -> None:
