@@ -23,9 +23,10 @@ the daemon's decision alone.
   starting or re-forming (before its first step of the round): on a node's few CPU cores a spare
   importing torch beside it only slows the step the whole world waits for. A node warming to
   join, or replacing a lost worker, starts them at once.
-- **Ready to join** (:func:`join_readiness`): a node outside the current round asks to be left
-  out (its health record says ``replacing``) until it has a warm spare for each of its workers,
-  so the daemon admits it only once it can join without making the world wait for a cold start.
+- **Ready to join** (:func:`join_readiness`): once the job has had a round, a node outside the
+  current one (or after it closed) asks to be left out (its health record says ``replacing``)
+  until it has a warm spare for each of its workers, so the daemon admits it only once it can join
+  without making the world wait for a cold start.
 """
 
 from __future__ import annotations
@@ -106,10 +107,10 @@ def overdue_reform(proc: ProcState, connected: bool, waited: float, joining: boo
 class JoinFacts:
     """What decides whether this node may be taken into a round now."""
 
-    in_round: bool  # the current open round names this node
-    round_open: bool  # there is a current round and it is not closed
+    in_round: bool  # the current round is open and names this node
+    started: bool  # the job has had a round (open or closed since): its next round is not its first
     workers: int  # local workers a round gives this node
-    ready_spares: int
+    ready_spares: int  # warm spares, plus live workers that can re-form (kept through a closed round)
     spares_disabled: bool  # the command cannot run as a spare
     reform_in_place: bool
     warming_for: float | None  # seconds since this node began warming spares to join; None: not
@@ -124,10 +125,12 @@ class Readiness:
 def join_readiness(f: JoinFacts, replace_timeout: float) -> Readiness:
     """Whether a node outside the round is ready to be admitted (see the module docstring).
 
-    A node inside the round, or with no round to join (the first round, or one that closed for
-    want of nodes), is always ready: there is no training world to keep waiting."""
-    if f.in_round or not f.round_open:
-        return Readiness(True, "in the round" if f.in_round else "no open round to join")
+    A node inside the round, or before the job's first round (every node starts cold then), is
+    always ready. After a round that closed for want of nodes it is not, until warm: the next
+    round would otherwise wait for its cold start (a warm spare takes no longer to get ready than a
+    new process, and costs no one a wait once it is)."""
+    if f.in_round or not f.started:
+        return Readiness(True, "in the round" if f.in_round else "the job's first round")
     if not f.reform_in_place:
         return Readiness(True, "joins by restarting every worker (reform_in_place = false)")
     if f.spares_disabled:

@@ -637,9 +637,12 @@ class NodeAgent:
             now = time.monotonic()
             warming = self._state.warming_since
             facts = JoinFacts(
-                in_round=rnd is not None and any(m.node_id == self.config.node_id for m in rnd.members),
-                round_open=rnd is not None and not rnd.closed, workers=self.config.workers,
-                ready_spares=sum(1 for sp in self.spare_pool.status() if sp.warm),
+                in_round=rnd is not None and not rnd.closed
+                and any(m.node_id == self.config.node_id for m in rnd.members),
+                started=rnd is not None, workers=self.config.workers,
+                ready_spares=sum(1 for sp in self.spare_pool.status() if sp.warm) + sum(
+                    1 for w in (self._state.group.workers if self._state.group is not None else [])
+                    if w.running and not w.stopping and w.pid in self._state.can_reform),
                 # spares = 0: the command is not known to run as a spare, so there is nothing to warm
                 spares_disabled=bool(self.spare_pool.disabled) or self.config.spares == 0,
                 reform_in_place=self.config.reform_in_place,

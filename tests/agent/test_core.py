@@ -71,7 +71,7 @@ def test_an_overdue_reform_kills_only_on_local_facts(proc: ProcState, connected:
     assert overdue.kill is kill and why in overdue.why
 
 
-OUTSIDE = JoinFacts(in_round=False, round_open=True, workers=2, ready_spares=0, spares_disabled=False,
+OUTSIDE = JoinFacts(in_round=False, started=True, workers=2, ready_spares=0, spares_disabled=False,
                     reform_in_place=True, warming_for=None)
 
 
@@ -84,7 +84,7 @@ def test_a_node_outside_an_open_round_is_not_ready_until_a_spare_per_worker_is_w
 
 @pytest.mark.parametrize(("change", "why"), [
     ({"in_round": True}, "in the round"),
-    ({"round_open": False}, "no open round"),
+    ({"started": False}, "first round"),
     ({"reform_in_place": False}, "reform_in_place = false"),
     ({"spares_disabled": True}, "cannot run warm spares"),
     ({"warming_for": 301.0}, "joining cold"),
