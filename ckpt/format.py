@@ -389,7 +389,8 @@ def parse_manifest(data: bytes) -> Manifest:
         manifest = _parse_content(content, (major, minor), digest)
     except (UnsafePath, UnsupportedFormat, CheckpointCorrupt):
         raise
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, LayoutMismatch, RecursionError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, LayoutMismatch,
+            RecursionError) as exc:
         raise CheckpointCorrupt(f"malformed manifest ({exc.__class__.__name__}: {exc})", file=MANIFEST_NAME) from exc
     return manifest
 
@@ -405,7 +406,8 @@ def _parse_content(content: Any, version: tuple[int, int], digest: str) -> Manif
         files[check_name(name)] = FileRecord(name, _nonneg(f["rank"]), _nonneg(f["size"]), str(f["digest"]))
         if files[name].rank >= world_size:
             raise ValueError(f"file {name} of rank {files[name].rank} in a world of {world_size}")
-    if sorted(f.rank for f in files.values()) != list(range(world_size)):
+    ranks = sorted(f.rank for f in files.values())
+    if len(ranks) != world_size or ranks != list(range(len(ranks))):
         raise ValueError(f"files {sorted(files)} are not one per rank of a world of {world_size}")
     spans: dict[str, list[tuple[int, int]]] = {name: [] for name in files}
     tensors: dict[str, TensorRecord] = {}

@@ -468,3 +468,15 @@ def test_gc_on_a_read_only_root_fails_cleanly(tmp_path):
     finally:
         if os.geteuid() == 0:
             subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.parametrize("world_size", [2**40, 2**63, 2**70])
+def test_an_implausible_world_size_is_corrupt_not_a_crash(tmp_path, world_size):
+    """Found by the property test: a forged world size made the parser build a list of that size."""
+    root = str(tmp_path)
+    _save(root, 1, 1.0)
+    _save(root, 2, 2.0)
+    _rewrite_manifest(root, 2, lambda content: content.update(world_size=world_size))
+    with pytest.raises(CheckpointCorrupt):
+        read_manifest(root, 2)
+    assert _load_t(root)[0] == 1
