@@ -330,6 +330,10 @@ def shared_lock(step_dir: str, *, create: bool) -> Iterator[None]:
             log.debug("%s: no lock file and cannot create one (%s); reading without it", step_dir, exc)
             yield
             return
+    except OSError as exc:  # a link or worse planted at the lock's name
+        if create:
+            raise
+        raise CheckpointCorrupt(f"lock file cannot be opened ({exc.strerror or exc})", file=LOCK_NAME) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         try:

@@ -45,20 +45,13 @@ def verify(root: str, step: int, *, progress: Progress | None = None, mark: bool
     ``progress(done_bytes, total_bytes)`` is called after each chunk."""
     step_dir = storage.step_path(root, step)
     report = VerifyReport(step)
-    with storage.shared_lock(step_dir, create=False):
-        try:
-            manifest = storage.read_manifest(root, step)
-        except (CheckpointCorrupt, UnsupportedFormat) as exc:
-            report.problems.append(exc)
-            _clear_mark(step_dir, step)
-            return report
-        report.manifest_digest = manifest.digest  # the manifest passed the loader's structural checks
-        total = manifest.stored_bytes
-        done = 0
-        for name in sorted(manifest.files):
-            done = _verify_file(manifest, step_dir, name, report, progress, done, total)
-            report.files_checked += 1
-    if report.ok and mark:
+    try:
+        with storage.shared_lock(step_dir, create=False):
+            manifest = _verify_locked(root, step, step_dir, report, progress)
+    except CheckpointCorrupt as exc:  # the lock itself (a planted link): nothing could be read safely
+        report.problems.append(exc)
+        manifest = None
+    if report.ok and mark and manifest is not None:
         try:
             storage.mark_verified(step_dir, manifest.digest)
         except OSError as exc:  # e.g. a read-only copy: the verify itself still counts
@@ -68,6 +61,23 @@ def verify(root: str, step: int, *, progress: Progress | None = None, mark: bool
     for p in report.problems:
         log.warning("verify step %d: %s", step, p)
     return report
+
+
+def _verify_locked(
+    root: str, step: int, step_dir: str, report: VerifyReport, progress: Progress | None
+) -> Manifest | None:
+    try:
+        manifest = storage.read_manifest(root, step)
+    except (CheckpointCorrupt, UnsupportedFormat) as exc:
+        report.problems.append(exc)
+        return None
+    report.manifest_digest = manifest.digest  # the manifest passed the loader's structural checks
+    total = manifest.stored_bytes
+    done = 0
+    for name in sorted(manifest.files):
+        done = _verify_file(manifest, step_dir, name, report, progress, done, total)
+        report.files_checked += 1
+    return manifest
 
 
 def _clear_mark(step_dir: str, step: int) -> None:

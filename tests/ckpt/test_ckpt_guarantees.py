@@ -480,3 +480,17 @@ def test_an_implausible_world_size_is_corrupt_not_a_crash(tmp_path, world_size):
     with pytest.raises(CheckpointCorrupt):
         read_manifest(root, 2)
     assert _load_t(root)[0] == 1
+
+
+def test_a_link_at_a_committed_steps_lock_makes_it_corrupt_for_readers(tmp_path):
+    root = str(tmp_path)
+    _save(root, 1, 1.0)
+    _save(root, 2, 2.0)
+    lock = os.path.join(_step_dir(root, 2), LOCK_NAME)
+    os.unlink(lock)
+    os.symlink(tmp_path / "elsewhere", lock)
+    step, out = _load_t(root)
+    assert step == 1 and bool((out == 1.0).all())
+    report = verify(root, 2)
+    assert [p.file for p in report.problems] == [LOCK_NAME]
+    assert not (tmp_path / "elsewhere").exists()
