@@ -19,10 +19,11 @@ the daemon's decision alone.
   newer round supersedes the re-form; the trainer's own join deadline is the last backstop.
   ``reform_timeout`` must exceed the collective timeout: a survivor blocked in a collective with a
   lost peer begins only once that collective gives up.
-- **When spares start** (:func:`spares_may_start`): not while a worker of this node is still
-  starting or re-forming (before its first step of the round): on a node's few CPU cores a spare
-  importing torch beside it only slows the step the whole world waits for. A node warming to
-  join, or replacing a lost worker, starts them at once.
+- **When spares start** (:func:`spares_may_start`): once this node's workers have all made a step
+  of the current round: not before the first round (the job's start is the slowest moment of
+  all), and not while a worker is still starting or re-forming, since on a node's few CPU cores
+  a spare importing torch beside it only slows the step the whole world waits for. A node
+  warming to join, or replacing a lost worker, starts them at once.
 - **Ready to join** (:func:`join_readiness`): once the job has had a round, a node outside the
   current one (or after it closed) asks to be left out (its health record says ``replacing``)
   until it has a warm spare for each of its workers, so the daemon admits it only once it can join
@@ -160,4 +161,4 @@ def spares_may_start(*, warming: bool, replacing: bool, workers: int, stepped: i
     """Whether the spare pool may start processes now (see the module docstring). ``workers``:
     this node's workers in the current round (0: none); ``stepped``: how many of them reported a
     step in it."""
-    return warming or replacing or workers == 0 or stepped >= workers
+    return warming or replacing or (workers > 0 and stepped >= workers)

@@ -100,7 +100,7 @@ def test_spares_wait_for_the_rounds_first_step_unless_the_node_needs_them_now() 
 
     assert not spares_may_start(warming=False, replacing=False, workers=2, stepped=1)
     assert spares_may_start(warming=False, replacing=False, workers=2, stepped=2)
-    assert spares_may_start(warming=False, replacing=False, workers=0, stepped=0)
+    assert not spares_may_start(warming=False, replacing=False, workers=0, stepped=0)  # before the first round
     assert spares_may_start(warming=True, replacing=False, workers=2, stepped=0)
     assert spares_may_start(warming=False, replacing=True, workers=2, stepped=0)
 
