@@ -728,10 +728,13 @@ class NodeAgent:
             if exit_.kind in (ExitKind.SUCCESS, ExitKind.STOPPED):
                 return
             warm_spare = any(s.warm for s in self.spare_pool.status())
-            if pending is not None and exit_.kind is not ExitKind.GAVE_UP and (warm_spare or not self.config.spares):
-                # Died before acknowledging its re-form (it may have been dying already when the
-                # round came, or its old world's abort took it down): its place in this round is
-                # not lost, so fill it here, with a warm spare, instead of failing the round.
+            if pending is not None and exit_.kind is not ExitKind.GAVE_UP and not pending.joining \
+                    and (warm_spare or not self.config.spares):
+                # Died before it began its re-form (it may have been dying already when the round
+                # came, or its old world's abort took it down): it never joined the new round, so
+                # its place there is not lost: fill it here, with a warm spare, instead of failing
+                # the round. (One that died while joining may have broken its peers' group: that
+                # fails the round below, and the daemon opens another.)
                 log.error("agent %s: rank %d (pid %d) died while re-forming into round %d (%s); replacing it",
                           self.config.node_id, exit_.rank, exit_.pid, pending.round, exit_.reason,
                           extra={"node": self.config.node_id, "rank": exit_.rank, "round": pending.round})
@@ -739,11 +742,12 @@ class NodeAgent:
                 self._commands.put(("refill", (pending.round, pending.local_rank, exit_.pid)))
                 return
             if pending is not None and exit_.kind is not ExitKind.GAVE_UP:
-                # No warm spare: a new process would hold every peer of the round up for its whole
-                # start. Fail the round it was joining instead, and leave it while a spare warms.
-                log.error("agent %s: rank %d (pid %d) died while re-forming into round %d (%s) and no spare is "
-                          "warm: leaving the round while one warms", self.config.node_id, exit_.rank, exit_.pid,
-                          pending.round, exit_.reason,
+                # It died while joining (its peers' group may be broken), or there is no warm
+                # spare (a new process would hold every peer up for its whole start): fail the
+                # round it was joining; without a warm spare the node also leaves while one warms.
+                log.error("agent %s: rank %d (pid %d) died while re-forming into round %d (%s); failing the round%s",
+                          self.config.node_id, exit_.rank, exit_.pid, pending.round, exit_.reason,
+                          "" if warm_spare else " and leaving it while a spare warms",
                           extra={"node": self.config.node_id, "rank": exit_.rank, "round": pending.round})
                 self.metrics.reforms.labels(self.config.node_id, "died").inc()
                 exit_ = dataclasses.replace(exit_, round=pending.round)

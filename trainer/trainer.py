@@ -472,7 +472,13 @@ class Trainer:
                     dist_backend=backend, timeout=datetime.timedelta(seconds=config.collective_timeout_s)
                 )
             else:
-                join_world(ReformSpec.from_env(), backend=backend, collective_timeout_s=config.collective_timeout_s,
+                spec = ReformSpec.from_env()
+                if spec.round > 1 and int((ds_config.get("zero_optimization") or {}).get("stage", 0)) != 3:
+                    # A new process in a running job (a lost rank with no warm spare): pay the first
+                    # engine build on its own, so the peers it joins wait for it in the arrival
+                    # roster, which has no deadline, and not in the collectives after it, which do.
+                    _warm_up(recipe, config, backend)
+                join_world(spec, backend=backend, collective_timeout_s=config.collective_timeout_s,
                            join_timeout_s=config.dist_timeout_s)
         engine = recipe.build(config, dist.get_world_size())
         trainer = cls(engine, config, agent=agent, _recipe=recipe, _required=spare)
@@ -644,16 +650,31 @@ class Trainer:
         self._leave()
         timing.left_at = time.time()
         try:
-            spec = self._join_newest(spec)
-            timing.round, timing.world_size, timing.rank = spec.round, spec.world_size, spec.rank
-            timing.group_up_at = time.time()
-            engine = self._recipe.build(self.config, spec.world_size)
-            timing.engine_built_at = time.time()
-            self._attach(engine)
-            self.round = spec.round
-            restored = self._restore(required=True, host=host)
-            assert restored is not None
-            self._resume(restored)
+            while True:
+                try:
+                    spec = self._join_newest(spec)
+                    timing.round, timing.world_size, timing.rank = spec.round, spec.world_size, spec.rank
+                    timing.group_up_at = time.time()
+                    engine = self._recipe.build(self.config, spec.world_size)
+                    timing.engine_built_at = time.time()
+                    self._attach(engine)
+                    self.round = spec.round
+                    restored = self._restore(required=True, host=host)
+                    assert restored is not None
+                    self._resume(restored)
+                    break
+                except (ReformFailed, TrainerError, CheckpointError):
+                    raise
+                except Exception as exc:
+                    if not (self.expects_reform and is_collective_error(exc)):
+                        raise
+                    # A peer of the new round died while it formed (its store host, or a rank in
+                    # the collectives after the roster): the round is lost, not this process.
+                    # The daemon opens another; wait for it instead of failing as well.
+                    log.error("rank %d: round %d broke while it formed (%s: %s); waiting for the next round",
+                              spec.rank, spec.round, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                    self._drop_partial_world()
+                    spec = self._await_newer_reform(spec, exc)
         except ReformFailed:
             raise
         except (TrainerError, CheckpointError) as exc:
@@ -696,6 +717,36 @@ class Trainer:
                             spec.rank, spec.round, newer.round, newer.rank, newer.world_size)
                 self._check_world(newer)
                 spec = newer
+
+    def _drop_partial_world(self) -> None:
+        """Leave a world that broke while it formed (nothing of it was trained on); never raises."""
+        if self.engine is not None:
+            _release_engine(self.engine, self.rank)
+            self.engine = None
+            try:
+                self.checkpointer.close()  # the new world's: nothing saved yet
+            except Exception as exc:  # noqa: BLE001 - a broken world may refuse a clean close
+                log.warning("rank %d: closing the broken world's checkpointer: %s", self.rank, exc)
+        self.state = None  # type: ignore[assignment]
+        self._control = None
+        world_sockets.cut()
+        leave_world()
+
+    def _await_newer_reform(self, spec: ReformSpec, cause: BaseException) -> ReformSpec:
+        """The agent's Reform for a round after ``spec``'s, within ``reform_wait_s``; raises
+        :class:`ReformFailed` without one, or ``SystemExit(0)`` on SIGTERM meanwhile."""
+        deadline = time.monotonic() + self.config.reform_wait_s
+        while not self._newer_reform(spec.round):
+            if self._sigterm:
+                raise SystemExit(0)
+            if time.monotonic() > deadline:
+                raise ReformFailed(f"rank {spec.rank}: round {spec.round} broke while it formed ({cause}) and no "
+                                   f"newer round came within {self.config.reform_wait_s:g}s", round=spec.round)
+            time.sleep(0.05)
+        newer = self._take_reform()
+        assert newer is not None
+        self._check_world(newer)
+        return newer
 
     def _check_world(self, spec: ReformSpec) -> None:
         try:
