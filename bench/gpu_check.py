@@ -18,7 +18,9 @@ one JSON file (``--out``):
    pinned host, then host to another GPU (or, with one, to a second host buffer), against the
    PCIe link (from NVML) and the host memory copy rate.
 4. ``trainer`` — a one-device DeepSpeed (ZeRO-1) step loop through ``stalwart.trainer.Trainer``
-   with checkpoints, then a fresh process that restores, comparing every saved tensor bitwise.
+   with checkpoints; then the world is left and a new Trainer (a model built with another seed, a
+   new engine, process group and checkpointer) restores from disk, and every saved tensor
+   (fp32 weights, Adam moments) is compared bitwise.
 5. ``abort`` — with two GPUs or more: an NCCL all-reduce whose peer is SIGKILLed, aborted with the
    trainer's abort (``ncclCommAbort``), and the time the survivor takes to get out. Without CUDA
    the same harness runs over gloo (a dead peer's connection closes), so the harness is tested.
@@ -641,15 +643,16 @@ def compare_digests(saved: dict[str, str], restored: dict[str, str]) -> list[str
     return sorted(n for n in set(saved) | set(restored) if saved.get(n) != restored.get(n))
 
 
-def child_train(phase: str, root: str, out_path: str) -> None:
-    """One process of part 4: ``save`` trains and checkpoints, ``restore`` only restores."""
+def _train_phase(phase: str, root: str, seed: int) -> dict[str, Any]:
+    """One Trainer: ``save`` trains and checkpoints; ``restore`` builds a fresh model (another
+    seed, so nothing matches by chance) and engine and only restores."""
     import torch.nn.functional as F
     from torch import nn
 
     from stalwart.trainer import HealthConfig, Trainer, TrainerConfig
 
     cuda = torch.cuda.is_available()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     dim = 64
     model = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
     gen = torch.Generator().manual_seed(1)
@@ -660,6 +663,7 @@ def child_train(phase: str, root: str, out_path: str) -> None:
     ds_config = {"zero_optimization": {"stage": 1}, "steps_per_print": 10**9, "gradient_clipping": 1.0}
     config = TrainerConfig(checkpoint_dir=root, global_batch=8, micro_batch=4, dataset_len=64,
                            total_steps=TRAIN_STEPS, save_every_steps=SAVE_EVERY, health=HealthConfig(enabled=False))
+    os.environ["MASTER_PORT"] = str(_free_port())  # a world of its own for each phase
     started = time.perf_counter()
     trainer = Trainer.initialize(model, ds_config, config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     init_s = time.perf_counter() - started
@@ -675,17 +679,25 @@ def child_train(phase: str, root: str, out_path: str) -> None:
         losses.append(trainer.step_done(loss.item()))
         step_s.append(time.perf_counter() - t0)
     info = trainer.finish()
-    digests = state_digests(trainer.state.save_tensors())
-    report = {"phase": phase, "restored_step": trainer.restored.step, "step": trainer.step, "losses": losses,
-              "init_s": init_s, "step_s": step_s, "digests": digests, "device": str(device),
-              "commit": None if info is None else {"step": info.step, "snapshot_s": info.snapshot_s,
-                                                   "commit_s": info.commit_s, "bytes": info.logical_bytes}}
-    with open(out_path, "w") as f:
-        json.dump(report, f)
-    import torch.distributed as dist
+    host_bytes, disk_bytes = getattr(trainer, "_restore_bytes", (0, 0))
+    return {"phase": phase, "restored_step": trainer.restored.step, "step": trainer.step, "losses": losses,
+            "init_s": init_s, "step_s": step_s, "digests": state_digests(trainer.state.save_tensors()),
+            "device": str(device), "restore_disk_bytes": disk_bytes, "restore_host_bytes": host_bytes,
+            "commit": None if info is None else {"step": info.step, "snapshot_s": info.snapshot_s,
+                                                 "commit_s": info.commit_s, "bytes": info.logical_bytes}}
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+def child_train(root: str, out_path: str) -> None:
+    """Part 4's process: train and checkpoint, leave the world, then restore into a new Trainer
+    (new model, engine, process group and checkpointer: nothing but the disk carries the state)."""
+    from stalwart.trainer.reform import leave_world
+
+    reports = {"save": _train_phase("save", root, seed=0)}
+    leave_world()
+    reports["restore"] = _train_phase("restore", root, seed=12345)
+    leave_world()
+    with open(out_path, "w") as f:
+        json.dump(reports, f)
 
 
 def part_trainer(ctx: Ctx, budget: Budget) -> dict[str, Any]:
@@ -693,32 +705,29 @@ def part_trainer(ctx: Ctx, budget: Budget) -> dict[str, Any]:
     env = _child_env(ctx.cuda)
     if ctx.cuda:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    reports = {}
-    for phase in ("save", "restore"):
-        out = os.path.join(ctx.workdir, f"trainer-{phase}.json")
-        log = os.path.join(ctx.workdir, f"trainer-{phase}.log")
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "train", "--child-phase", phase,
-               "--child-root", root, "--child-out", out]
-        with open(log, "wb") as logf:
-            try:
-                rc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
-                                    timeout=max(5.0, budget.left())).returncode
-            except subprocess.TimeoutExpired:
-                raise PartTimeout(f"part 'trainer' exceeded its budget of {budget.seconds:.0f} s "
-                                  f"(in the {phase} process)") from None
-        if rc != 0:
-            with open(log, errors="replace") as f:
-                tail = "".join(f.readlines()[-15:])
-            raise RuntimeError(f"the {phase} process exited {rc}:\n{tail}")
-        with open(out) as f:
-            reports[phase] = json.load(f)
+    out = os.path.join(ctx.workdir, "trainer.json")
+    log = os.path.join(ctx.workdir, "trainer.log")
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "train", "--child-root", root, "--child-out", out]
+    with open(log, "wb") as logf:
+        try:
+            rc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
+                                timeout=max(5.0, budget.left())).returncode
+        except subprocess.TimeoutExpired:
+            raise PartTimeout(f"part 'trainer' exceeded its budget of {budget.seconds:.0f} s") from None
+    if rc != 0:
+        with open(log, errors="replace") as f:
+            tail = "".join(f.readlines()[-15:])
+        raise RuntimeError(f"the training process exited {rc}:\n{tail}")
+    with open(out) as f:
+        reports = json.load(f)
     saved, restored = reports["save"], reports["restore"]
     differ = compare_digests(saved["digests"], restored["digests"])
     return {"results": {
         "device": saved["device"], "steps": saved["step"], "restored_step": restored["restored_step"],
-        "tensors": len(saved["digests"]), "bitwise_equal": not differ and restored["restored_step"] == saved["step"],
-        "differ": differ[:20], "losses": saved["losses"], "init_s": saved["init_s"],
+        "tensors": len(saved["digests"]), "differ": differ[:20],
+        "bitwise_equal": not differ and restored["restored_step"] == saved["step"] and bool(saved["digests"]),
+        "restore_disk_bytes": restored["restore_disk_bytes"], "losses": saved["losses"], "init_s": saved["init_s"],
         "restore_init_s": restored["init_s"], "step_s_median": statistics.median(saved["step_s"]),
         "last_commit": saved["commit"],
     }}  # fmt: skip
@@ -728,10 +737,10 @@ def print_trainer(out: dict[str, Any]) -> None:
     r = out["results"]
     c = r["last_commit"] or {}
     print(format_table(
-        ["device", "steps", "restored at", "tensors", "bitwise equal", "init s", "restore s", "step s",
-         "snapshot ms"],
-        [[r["device"], r["steps"], r["restored_step"], r["tensors"], r["bitwise_equal"], r["init_s"],
-          r["restore_init_s"], r["step_s_median"], c.get("snapshot_s", 0.0) * 1e3]]))
+        ["device", "steps", "restored at", "tensors", "bitwise equal", "read from disk B", "init s", "restore s",
+         "step s", "snapshot ms"],
+        [[r["device"], r["steps"], r["restored_step"], r["tensors"], r["bitwise_equal"], r["restore_disk_bytes"],
+          r["init_s"], r["restore_init_s"], r["step_s_median"], c.get("snapshot_s", 0.0) * 1e3]]))
     if r["differ"]:
         print(f"  differ: {r['differ']}")
 
@@ -884,7 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1, help="measured runs after a warm-up (best is kept)")
     parser.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's time budget")
     parser.add_argument("--abort-after", type=float, default=1.0, help="abort part: seconds before the abort")
-    for name in ("child", "child-phase", "child-root", "child-out", "child-backend"):
+    for name in ("child", "child-root", "child-out", "child-backend"):
         parser.add_argument(f"--{name}", default=None, help=argparse.SUPPRESS)
     for name in ("child-rank", "child-port"):
         parser.add_argument(f"--{name}", type=int, default=0, help=argparse.SUPPRESS)
@@ -894,7 +903,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.child == "train":
-        child_train(args.child_phase, args.child_root, args.child_out)
+        child_train(args.child_root, args.child_out)
         return 0
     if args.child == "abort":
         child_abort(args.child_rank, args.child_port, args.child_backend, args.child_root, args.child_out,

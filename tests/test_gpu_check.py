@@ -256,7 +256,7 @@ def test_cpu_path_end_to_end(tmp_path: Path) -> None:
         assert s["second_hop"] == "host -> host (no CUDA device)" and s["host_copy_GBps"] > 0
     trainer = parts["trainer"]["results"]
     assert trainer["bitwise_equal"] is True and trainer["restored_step"] == trainer["steps"] == 6
-    assert trainer["tensors"] > 0 and trainer["differ"] == []
+    assert trainer["tensors"] > 0 and trainer["differ"] == [] and trainer["restore_disk_bytes"] > 0
     abort = parts["abort"]["results"]
     assert abort["backend"] == "gloo" and abort["error"] and "needs two GPUs" in abort["note"]
     assert [row[0] for row in report["summary"]] == ["nvml", "snapshot", "replica", "trainer", "abort"]
