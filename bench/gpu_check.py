@@ -312,7 +312,7 @@ class DeviceStep:
         n = 8192 if device.type == "cuda" else 256
         self.a = torch.randn(n, n, device=device) / n**0.5
         self.iters = 4
-        once = min(self.run()["wall_s"] for _ in range(2)) / self.iters
+        once = min(self.run()["wall_s"] for _ in range(3)) / self.iters
         self.iters = max(10, round(target_s / once))
 
     def _sync(self) -> None:
@@ -406,13 +406,14 @@ def _measure_async(method: Any, repeats: int, budget: Budget) -> dict[str, float
 def _slowdown(ctx: Ctx, state: dict[str, torch.Tensor], nbytes: int, step: DeviceStep, alone: dict[str, float],
               budget: Budget) -> dict[str, Any]:
     """The step right after an overlap-mode save, and the two halves of it taken apart."""
-    out: dict[str, Any] = {"step_alone_s": alone["wall_s"], "launch_alone_s": alone["launch_s"]}
     repeats = ctx.args.repeats
     method = _Saver(ctx.workdir, state, "overlap")
+    alones = [alone]  # interleaved with the others: a machine whose load changes affects all alike
     try:
         full, persist_only = [], []
         for i in range(repeats + 1):  # the first save warms the host buffer up
             budget.check("step after save")
+            alones.append(step.run())
             handle = method.start(100 + 2 * i)
             run = step.run(before_update=handle.wait_snapshot)
             handle.result()
@@ -428,6 +429,7 @@ def _slowdown(ctx: Ctx, state: dict[str, torch.Tensor], nbytes: int, step: Devic
     finally:
         method.close()
         _free_host_cache()
+    out: dict[str, Any] = {}
     best = min(full, key=lambda r: r["wall_s"])
     out["after_save_s"], out["launch_after_save_s"] = best["wall_s"], best["launch_s"]
     best = min(persist_only, key=lambda r: r["wall_s"])
@@ -452,8 +454,11 @@ def _slowdown(ctx: Ctx, state: dict[str, torch.Tensor], nbytes: int, step: Devic
             copied.synchronize()
             if i:
                 runs.append(run)
+            alones.append(step.run())
         best = min(runs, key=lambda r: r["wall_s"])
         out["copy_only_s"], out["launch_copy_only_s"] = best["wall_s"], best["launch_s"]
+    alone = min(alones, key=lambda r: r["wall_s"])
+    out["step_alone_s"], out["launch_alone_s"] = alone["wall_s"], alone["launch_s"]
     for key in ("after_save_s", "persist_only_s", "copy_only_s"):
         if key in out:
             out[key.removesuffix("_s") + "_pct"] = slowdown_pct(alone["wall_s"], out[key])
@@ -482,6 +487,47 @@ def slowdown_cause(r: dict[str, Any], cuda: bool, threshold_pct: float = 2.0) ->
     return "; ".join(parts)
 
 
+def _spin(seconds: float) -> int:
+    """Iterations of a pure-Python loop in ``seconds``: it runs only while it holds the GIL."""
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        n += 1
+    return n
+
+
+def gil_share(work: Callable[[], None], seconds: float = 0.3) -> float:
+    """The main thread's pure-Python rate while another thread repeats ``work``, relative to
+    alone: near 1 where ``work`` releases the GIL (and a core is free), far below where it holds it."""
+    alone = _spin(seconds)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            work()
+
+    worker = threading.Thread(target=loop, daemon=True)
+    worker.start()
+    time.sleep(0.02)
+    beside = _spin(seconds)
+    stop.set()
+    worker.join()
+    return beside / alone if alone else 0.0
+
+
+def persist_gil(chunk_bytes: int = 8 << 20) -> dict[str, float]:
+    """How much of the GIL the persist thread's per-chunk work leaves the training thread: the
+    checkpoint's own chunk encoder (xxh3, the auto compression sample) on random and on zero
+    chunks (the latter are compressed), and a pure-Python loop as the held-GIL reference."""
+    from stalwart.ckpt import codec
+
+    policy = codec.CodecPolicy()
+    rand = memoryview(torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8).numpy())
+    zeros = memoryview(bytes(chunk_bytes))
+    return {"encode_random": gil_share(lambda: codec.encode(rand, policy)),
+            "encode_zeros": gil_share(lambda: codec.encode(zeros, policy)),
+            "python_loop": gil_share(lambda: _spin(0.005) and None)}
+
+
 def part_snapshot(ctx: Ctx, budget: Budget) -> dict[str, Any]:
     cb = _ckpt_bench()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -505,6 +551,8 @@ def part_snapshot(ctx: Ctx, budget: Budget) -> dict[str, Any]:
                 method.close()
             _free_host_cache()
         res["step_slowdown"] = _slowdown(ctx, state, actual, step, alone, budget)
+        alone = {"wall_s": res["step_slowdown"]["step_alone_s"]}
+        res["step_alone_s"] = alone["wall_s"]
         for key in ("torch_save", "dcp_async_save", "stalwart_blocking", "stalwart_overlap"):
             r = res[key]
             r["stall_pct_of_step"] = r["stall_s"] / alone["wall_s"] * 100
@@ -512,7 +560,8 @@ def part_snapshot(ctx: Ctx, budget: Budget) -> dict[str, Any]:
         rows.append(res)
         state = {}
         _free_host_cache()
-    return {"results": {"device": str(ctx.device), "step_iters": step.iters, "sizes": rows}}
+    return {"results": {"device": str(ctx.device), "step_iters": step.iters, "sizes": rows,
+                        "gil_left_to_training": persist_gil()}}
 
 
 def print_snapshot(out: dict[str, Any]) -> None:
@@ -534,6 +583,9 @@ def print_snapshot(out: dict[str, Any]) -> None:
                         "launch beside persist s"], rows))
     for s in out["results"]["sizes"]:
         print(f"  {s['bytes'] / GB:.3g} GB: {s['step_slowdown']['cause']}")
+    gil = out["results"]["gil_left_to_training"]
+    print("  Python speed of the training thread beside the persist thread's chunk work (1 = GIL released): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in gil.items()))
 
 
 # --- part 3: replica copy -----------------------------------------------------------------------
@@ -869,7 +921,7 @@ def summary(parts: dict[str, dict[str, Any]]) -> list[list[Any]]:
             elif name == "snapshot":
                 head = "; ".join(f"{s['bytes'] / GB:.3g} GB: overlap stall {s['stalwart_overlap']['stall_s'] * 1e3:.1f}"
                                  f" ms ({s['stalwart_overlap']['stall_pct_of_step']:.2f} % of step), step after "
-                                 f"save +{s['step_slowdown']['after_save_pct']:.1f} %" for s in r["sizes"])
+                                 f"save {s['step_slowdown']['after_save_pct']:+.1f} %" for s in r["sizes"])
             elif name == "replica":
                 head = "; ".join(f"{s['bytes'] / GB:.3g} GB: {s['replica_pipelined_GBps']:.1f} GB/s"
                                  for s in r["sizes"])

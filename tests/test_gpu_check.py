@@ -252,6 +252,8 @@ def test_cpu_path_end_to_end(tmp_path: Path) -> None:
         d = s["step_slowdown"]
         assert d["step_alone_s"] > 0 and "after_save_pct" in d and "persist_only_pct" in d and d["cause"]
         assert "copy_only_pct" not in d  # there is no device-to-host copy on the CPU
+    gil = parts["snapshot"]["results"]["gil_left_to_training"]
+    assert set(gil) == {"encode_random", "encode_zeros", "python_loop"} and all(v > 0 for v in gil.values())
     for s in parts["replica"]["results"]["sizes"]:
         assert s["second_hop"] == "host -> host (no CUDA device)" and s["host_copy_GBps"] > 0
     trainer = parts["trainer"]["results"]
