@@ -64,7 +64,8 @@ REPO = os.path.dirname(HERE)
 GB = 10**9
 MiB = 1 << 20
 PARTS = ("nvml", "snapshot", "replica", "trainer", "abort")
-DEFAULT_BUDGETS = {"nvml": 30.0, "snapshot": 330.0, "replica": 60.0, "trainer": 150.0, "abort": 60.0}
+# Seconds per part; on a GPU they add up to 9 minutes, so a run ends inside 10 whatever happens.
+DEFAULT_BUDGETS = {"nvml": 20.0, "snapshot": 300.0, "replica": 60.0, "trainer": 120.0, "abort": 40.0}
 CPU_BUDGETS = {"nvml": 10.0, "snapshot": 60.0, "replica": 20.0, "trainer": 120.0, "abort": 40.0}
 
 # PCIe per-lane rates in GT/s and line-code efficiency, per generation (gen 6 counted as 1.0
@@ -645,6 +646,7 @@ def part_replica(ctx: Ctx, budget: Budget) -> dict[str, Any]:
         rows.append(row)
         host_a = host_b = None
         _free_host_cache()
+        budget.check(f"{nbytes / GB:g} GB done")
     return {"results": {"note": "upper bound for a peer replica: plain torch copies of the same bytes "
                                 "(the replica itself is not built yet)", "sizes": rows}}
 
@@ -972,17 +974,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--skip: unknown parts {sorted(skip - set(PARTS))}; parts are {','.join(PARTS)}", file=sys.stderr)
         return 2
     budgets = {k: v * args.budget_scale for k, v in (DEFAULT_BUDGETS if args.device == "cuda" else CPU_BUDGETS).items()}
-    # A part stuck inside one call (a hung collective, a driver call) cannot check its budget:
-    # past the sum of all budgets, dump the stacks and exit.
-    faulthandler.dump_traceback_later(sum(budgets.values()) + 60, exit=True)
     ctx = Ctx(args)
     started = time.monotonic()
     parts: dict[str, dict[str, Any]] = {}
+    current = [""]
+    # A part stuck inside one call (a hung collective or driver call) cannot check its budget:
+    # past the sum of all budgets, say where, write what there is, and exit 3.
+    total = sum(budgets.values()) + 30
+
+    def overrun() -> None:
+        print(f"\ngpu check: total budget of {total:.0f} s exceeded in part {current[0]!r}; exiting",
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr)
+        parts[current[0]] = {"error": f"PartTimeout: stuck past the total budget of {total:.0f} s"}
+        with contextlib.suppress(Exception):
+            write_report(args.out, ctx, parts, started)
+        shutil.rmtree(ctx.workdir, ignore_errors=True)
+        os._exit(3)
+
+    timer = threading.Timer(total, overrun)
+    timer.daemon = True
+    timer.start()
     print(f"gpu check on {ctx.device} ({ctx.gpus} GPU(s)), torch {torch.__version__}, sizes {args.sizes} GB",
           flush=True)
     try:
         for name in PARTS:
             print(f"\n== {name}", flush=True)
+            current[0] = name
             if name in skip:
                 parts[name] = {"skipped": "skipped by --skip"}
             else:
@@ -997,21 +1015,27 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
     finally:
         shutil.rmtree(ctx.workdir, ignore_errors=True)
-    rows = summary(parts)
+    timer.cancel()
     print("\n== summary")
-    print(format_table(["part", "status", "result"], rows))
+    print(format_table(["part", "status", "result"], summary(parts)))
+    report = write_report(args.out, ctx, parts, started)
+    print(f"wrote {args.out} in {report['total_s']:.1f} s")
+    return 1 if any(r[1] == "FAILED" for r in report["summary"]) else 0
+
+
+def write_report(path: str, ctx: Ctx, parts: dict[str, dict[str, Any]], started: float) -> dict[str, Any]:
+    args = ctx.args
+    rows = summary(parts)
     report = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
                     "torch": torch.__version__, "device": str(ctx.device), "gpus": ctx.gpus,
                     "gpu_name": torch.cuda.get_device_name(0) if ctx.cuda else None},
         "sizes_gb": args.sizes, "parts": parts, "summary": rows, "total_s": time.monotonic() - started,
     }  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(report, f, indent=2, default=str)
-    print(f"wrote {args.out} in {report['total_s']:.1f} s")
-    faulthandler.cancel_dump_traceback_later()
-    return 1 if any(r[1] == "FAILED" for r in rows) else 0
+    return report
 
 
 if __name__ == "__main__":

@@ -265,6 +265,15 @@ def test_cpu_path_end_to_end(tmp_path: Path) -> None:
     assert "== summary" in proc.stdout and "bitwise equal: True" in proc.stdout
 
 
+def test_a_part_past_its_budget_fails_fast_and_the_run_says_so(tmp_path: Path) -> None:
+    proc, report = _run(tmp_path, "--device", "cpu", "--sizes", "0.001", "--skip", "trainer,abort",
+                        "--budget-scale", "0.00001")
+    assert proc.returncode == 1
+    for name in ("snapshot", "replica"):
+        assert "exceeded its budget" in report["parts"][name]["error"], report["parts"][name]
+    assert "FAILED" in proc.stdout and report["parts"]["trainer"]["skipped"] == "skipped by --skip"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU run needs one")
 def test_gpu_run_small(tmp_path: Path) -> None:
     proc, report = _run(tmp_path, "--device", "cuda", "--sizes", "0.1", timeout=600)
