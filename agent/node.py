@@ -341,10 +341,11 @@ class NodeAgent:
         with self._lock:
             self._state.worker_findings = []  # they were about the round that just ended
             self._state.gave_up = ""
-            if mine and self._state.replacing_since is not None:
+            kept_anyway = bool(mine) and self._state.replacing_since is not None  # the daemon could not do without us
+            if kept_anyway:
                 self._end_replacing("back in the world")
         if self.config.reform_in_place and mine and not record.closed and not self._state.draining:
-            self._join_in_place(record, self._assignment(record, mine[0]))
+            self._join_in_place(record, self._assignment(record, mine[0]), cold_ok=kept_anyway)
             return
         if record.closed and self.config.reform_in_place and not self._state.draining \
                 and not record.reason.startswith(GAVE_UP_PREFIX):
@@ -416,9 +417,12 @@ class NodeAgent:
             can_reform=w.pid in self._state.can_reform), assignment.local_world_size)
         return None if verdict.keep else (verdict.why, verdict.unhealthy)
 
-    def _join_in_place(self, record: records_pb2.RoundRecord, assignment: RoundAssignment) -> None:
+    def _join_in_place(self, record: records_pb2.RoundRecord, assignment: RoundAssignment,
+                       cold_ok: bool = False) -> None:
         """Re-form into ``record``: Reform to kept workers first (the fast path), then spares into
-        empty local ranks, then stop what is left of the old round, then start new processes."""
+        empty local ranks, then stop what is left of the old round, then start new processes —
+        for a lost worker only with ``cold_ok`` (the daemon kept this node though it asked to
+        leave while a spare warms), else the node fails the round and asks to leave."""
         node, now = self.config.node_id, time.monotonic()
         connected, spare_streams = self.channels.connected(), self.channels.spares()
         keep: dict[int, Worker] = {}
@@ -459,6 +463,23 @@ class NodeAgent:
                      extra={"node": node, "rank": w.rank, "round": record.number})
         self._stop_in_background([w for w, _, unhealthy in drop if unhealthy], 0.0)
         self._stop_in_background([w for w, _, unhealthy in drop if not unhealthy], self.config.stop_grace)
+        if group.missing() and old is not None and self.config.spares > 0 and not cold_ok:
+            # A worker of ours was lost and no spare can take its rank: a new process would hold
+            # the whole round up for its start. Fail the round and leave it while a spare warms;
+            # only when the daemon cannot do without this node (it is still a member of the next
+            # round though replacing) does a new process start.
+            with self._lock:
+                self._state.replacing_since = time.monotonic()
+                self.spare_pool.wanted = max(self.spare_pool.wanted, self.config.workers)
+                for lr in group.missing():
+                    self._state.worker_findings.append(Finding(
+                        "worker", lr, Severity.OK, "worker-no-spare",
+                        f"local rank {lr}: no warm spare to take its rank; leaving the round while one warms",
+                        record.number))
+            log.warning("agent %s: round %d: no warm spare for local rank(s) %s: leaving the round while one warms",
+                        node, record.number, group.missing(), extra={"node": node, "round": record.number})
+            self._joined(record)
+            return
         for lr in group.missing():
             spawned = group.spawn(lr)
             with self._lock:

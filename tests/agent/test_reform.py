@@ -259,8 +259,23 @@ def test_faults_stalls_and_drain_reach_reformed_workers_and_spares(
     wait_for(lambda: _ready_spares(agent), 30, "a new spare")
     hung = _workers(agent, 2)[0] if 0 in _workers(agent, 2) else agent.status().workers[0].pid
     _open_round(etcd_client, keys, 3, ["n0"], 29543)
-    wait_for(lambda: len(_workers(agent, 3, min_step=1)) == 2, 30, "both ranks stepping in round 3")
-    assert hung not in _workers(agent, 3).values()
+
+    def settled() -> bool:
+        no_spare = [f for f in findings() if f.code == "worker-no-spare" and f.round == 3]
+        return len(_workers(agent, 3, min_step=1)) == 2 or bool(no_spare)
+
+    wait_for(settled, 30, "both ranks stepping in round 3, or the node leaving it for want of a warm spare")
+    last = 3
+    if len(_workers(agent, 3, min_step=1)) < 2:
+        # Fewer warm spares than lost ranks: the node failed round 3 and asks to leave while one
+        # warms. A daemon that cannot do without it keeps it in the next round: then the node
+        # starts what it lacks.
+        kv = etcd_client.get(keys.health("n0"))
+        assert kv is not None and records_pb2.HealthRecord.FromString(kv.value).replacing
+        _open_round(etcd_client, keys, 4, ["n0"], 29544)
+        last = 4
+    wait_for(lambda: len(_workers(agent, last, min_step=1)) == 2, 30, f"both ranks stepping in round {last}")
+    assert hung not in _workers(agent, last).values()
     # drain: workers and spares stop, and no spare starts again
     reply = stub.Drain(agent_pb2.DrainRequest(wait=True, timeout=20), timeout=30)
     assert reply.drained, reply.detail
