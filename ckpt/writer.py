@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -67,27 +68,27 @@ class ShardWriter:
         return self._direct
 
     def _open(self) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
+        """Create the file exclusively, then switch O_DIRECT on through ``fcntl``: an ``open`` with
+        O_DIRECT that the file system refuses may already have created the file (older tmpfs)."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
         if self._direct:
             try:
-                return os.open(self.path, flags | os.O_DIRECT, 0o644)
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
             except OSError as exc:
                 if self._required or exc.errno != errno.EINVAL:
+                    os.close(fd)
+                    os.unlink(self.path)
                     raise
                 log.info("%s: O_DIRECT refused, using buffered writes", self.path)
                 self._direct = False
-        return os.open(self.path, flags, 0o644)
+        return fd
 
-    def _reopen_buffered(self) -> None:
-        """Open the file this writer created again without O_DIRECT, truncated; refuses if the
-        name no longer is that file."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | _NOFOLLOW)
-        old, new = os.fstat(self._fd), os.fstat(fd)
-        if (old.st_dev, old.st_ino) != (new.st_dev, new.st_ino):
-            os.close(fd)
-            raise OSError(errno.ESTALE, f"{self.path} was replaced while being written")
-        os.close(self._fd)
-        self._fd = fd
+    def _buffered(self) -> None:
+        """Switch O_DIRECT off on this writer's file (a file system that took the flag but refuses
+        the writes); the file is truncated, so its bytes are written again from the start."""
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        os.ftruncate(self._fd, 0)
+        os.lseek(self._fd, 0, os.SEEK_SET)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append ``data``; the caller may reuse ``data`` as soon as this returns."""
@@ -132,7 +133,7 @@ class ShardWriter:
                 raise
             log.info("%s: O_DIRECT write refused, using buffered writes", self.path)
             self._direct = False
-            self._reopen_buffered()
+            self._buffered()
             _write_all(self._fd, self._view[: self._fill])
             self._flushed = self._fill
             self._fill = 0

@@ -494,3 +494,26 @@ def test_a_link_at_a_committed_steps_lock_makes_it_corrupt_for_readers(tmp_path)
     report = verify(root, 2)
     assert [p.file for p in report.problems] == [LOCK_NAME]
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_file_system_without_o_direct_gets_one_buffered_file(tmp_path, monkeypatch):
+    """The shard file is created exclusively first and O_DIRECT switched on afterwards: a file
+    system that refuses O_DIRECT (an older tmpfs creates the file, then fails the open) must not
+    make the exclusive create fail."""
+    import fcntl as real_fcntl
+
+    from stalwart.ckpt import writer
+
+    original = real_fcntl.fcntl
+
+    def refusing(fd, cmd, arg=0):  # type: ignore[no-untyped-def]
+        if cmd == real_fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return original(fd, cmd, arg)
+
+    monkeypatch.setattr(writer.fcntl, "fcntl", refusing)
+    root = str(tmp_path)
+    _save(root, 1, 1.0, 100_000)
+    assert _rank_files(root, 1) == ["rank-00000.bin"]
+    step, out = _load_t(root, 100_000)
+    assert step == 1 and bool((out == 1.0).all())
