@@ -29,6 +29,8 @@ from stalwart.proto import agent_pb2
 log = logging.getLogger(__name__)
 LOSS_RTOL = 1e-4  # a different world size sums the same samples in another order
 TRAINING_FAULTS = ("nan-loss", "loss-spike")
+# faults applied to a running worker of their node (corrupt-checkpoint kills one to force a restore)
+WORKER_FAULTS = ("kill-worker", "hang-worker", "slow-worker", "corrupt-checkpoint", *TRAINING_FAULTS)
 TRAINING_FAULT_LEAD = 6  # steps before its at_step that a NaN or a spike is sent to the agent
 TRAINING_FAULT_AHEAD = 3  # it never names a step closer than this to the last step seen
 GAVE_UP_WAIT_S = 20.0  # after the trainer gave up, how long the run waits for the daemon to close the job
@@ -103,6 +105,7 @@ class _Run:
         self.straggler_seen: set[str] = set()
         self._first_failure: dict[int, float] = {}  # id(FaultSpec) -> when applying it first failed
         self._retry_at: dict[int, float] = {}
+        self._corrupted_for: dict[int, int] = {}  # id(FaultSpec) -> the checkpoint step it corrupted
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -213,10 +216,14 @@ class _Run:
         return due
 
     def _target(self, spec: FaultSpec) -> str:
+        members = self.cluster.members()
         if spec.node is not None:
+            # A fault aimed at a worker needs one: a node that is out of the world just now
+            # (warming a spare, cut off) has none, so the fault goes to a member instead.
+            if spec.kind in WORKER_FAULTS and members and spec.node not in members:
+                return sorted(members)[0]
             return spec.node
-        members = self.cluster.members() or self.s.node_names()
-        return self.rng.choice(members)
+        return self.rng.choice(members or self.s.node_names())
 
     def _inject(self, spec: FaultSpec) -> bool:
         """Apply ``spec``; False when it failed and is to be tried again (for up to APPLY_RETRY_S:
@@ -274,7 +281,9 @@ class _Run:
             a.undo_at, a.undo = a.record.injected_at + RECOVER_AFTER, lambda: c.etcd.restart(index)
             return f"etcd member {a.record.target} SIGKILLed; restarted later"
         if kind == "corrupt-checkpoint":
-            step = self._corrupt_newest()
+            # A retry (the kill below failed) kills again without flipping another checkpoint.
+            step = self._corrupted_for.get(id(a.spec)) or self._corrupt_newest()
+            self._corrupted_for[id(a.spec)] = step
             # Corruption shows only when a checkpoint is loaded: force a restore by killing a worker.
             c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=agent_pb2.FAULT_KILL_WORKER, device=0))
             return f"flipped a byte in checkpoint {step}, then killed a worker to force a restore"
