@@ -666,8 +666,9 @@ class Trainer:
                 except (ReformFailed, TrainerError, CheckpointError):
                     raise
                 except Exception as exc:
-                    if not (self.expects_reform and is_collective_error(exc)):
-                        raise
+                    timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+                    if not (self.expects_reform and is_collective_error(exc)) or timed_out:
+                        raise  # a peer that never came (a timeout) fails this rank, as before
                     # A peer of the new round died while it formed (its store host, or a rank in
                     # the collectives after the roster): the round is lost, not this process.
                     # The daemon opens another; wait for it instead of failing as well.
@@ -740,8 +741,9 @@ class Trainer:
             if self._sigterm:
                 raise SystemExit(0)
             if time.monotonic() > deadline:
-                raise ReformFailed(f"rank {spec.rank}: round {spec.round} broke while it formed ({cause}) and no "
-                                   f"newer round came within {self.config.reform_wait_s:g}s", round=spec.round)
+                raise ReformFailed(f"rank {spec.rank} cannot re-form into round {spec.round}: it broke while it formed "
+                                   f"({cause}) and no newer round came within {self.config.reform_wait_s:g}s",
+                                   round=spec.round)
             time.sleep(0.05)
         newer = self._take_reform()
         assert newer is not None
