@@ -20,6 +20,33 @@ from stalwart.coord.watch import EventType, Watch
 from stalwart.proto import records_pb2
 
 WAIT = 20.0  # generous bound for anything that should take a few seconds (never a timing assertion)
+AGENT_TESTS = Path(__file__).resolve().parents[1] / "agent"
+WORKER = str(AGENT_TESTS / "worker_script.py")  # a plain worker: reports steps, no re-form handler
+STALWART = str(Path(sys.executable).with_name("stalwart"))
+
+
+def agent_process(etcd_endpoint: str, job: str, node: str, tmp_path: Path, script: str = WORKER, extra: str = "",
+                  env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A real ``stalwart agent`` process for ``node`` with one worker running ``script``; its log is
+    ``tmp_path/<node>.log``. ``extra``: more agent.toml lines (before the [etcd] table)."""
+    cfg = tmp_path / f"{node}.toml"
+    cfg.write_text(f'''job = "{job}"
+node_id = "{node}"
+command = ["{sys.executable}", "{script}"]
+workers = 1
+insecure = true
+listen = "127.0.0.1:0"
+state_dir = "{tmp_path / node}"
+lease_ttl = 2
+probe = "fake"
+stop_grace = 2.0
+{extra}
+[etcd]
+endpoints = ["{etcd_endpoint}"]
+''')
+    with open(tmp_path / f"{node}.log", "ab") as log:
+        return subprocess.Popen([STALWART, "--log-level", "info", "agent", "--config", str(cfg)], stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
 
 def new_job() -> str:

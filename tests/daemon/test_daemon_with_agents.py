@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import psutil
-from daemon_testlib import DaemonProc, RoundLog, members, new_job
+from daemon_testlib import DaemonProc, RoundLog, agent_process, members, new_job
 
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
@@ -26,23 +26,7 @@ RPC = (grpc.RpcError,)  # an agent or daemon not answering yet: try again
 
 
 def _start_agent(etcd: LocalEtcd, job: str, node: str, tmp_path: Path) -> subprocess.Popen[bytes]:
-    cfg = tmp_path / f"{node}.toml"
-    cfg.write_text(f'''job = "{job}"
-node_id = "{node}"
-command = ["{sys.executable}", "{WORKER}"]
-workers = 1
-insecure = true
-listen = "127.0.0.1:0"
-state_dir = "{tmp_path / node}"
-lease_ttl = 2
-probe = "fake"
-stop_grace = 2.0
-[etcd]
-endpoints = ["{etcd.endpoints[0]}"]
-''')
-    with open(tmp_path / f"{node}.log", "ab") as log:
-        return subprocess.Popen([STALWART, "--log-level", "info", "agent", "--config", str(cfg)], stdout=log,
-                                stderr=subprocess.STDOUT)
+    return agent_process(etcd.endpoints[0], job, node, tmp_path)
 
 
 def _status(client: EtcdClient, job: str, node: str) -> agent_pb2.NodeStatus:

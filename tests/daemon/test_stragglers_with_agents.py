@@ -8,7 +8,6 @@ with exclude_stragglers it leaves the world at the next checkpoint.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_testlib import DaemonProc, RoundLog, members, new_job
+from daemon_testlib import DaemonProc, RoundLog, agent_process, members, new_job
 
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
@@ -39,28 +38,9 @@ RPC = (grpc.RpcError,)  # an agent or daemon not answering yet: try again
 
 def _agent(etcd: LocalEtcd, job: str, node: str, tmp_path: Path, script: str,
            env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    cfg = tmp_path / f"{node}.toml"
-    cfg.write_text(f'''job = "{job}"
-node_id = "{node}"
-command = ["{sys.executable}", "{script}"]
-workers = 1
-insecure = true
-listen = "127.0.0.1:0"
-state_dir = "{tmp_path / node}"
-lease_ttl = 2
-probe = "fake"
-stop_grace = 2.0
-fault_injection = true
-progress_interval = 0.1
-busy_window = 5
-stall_first_step = 60.0
-[etcd]
-endpoints = ["{etcd.endpoints[0]}"]
-''')
-    with open(tmp_path / f"{node}.log", "ab") as log:
-        return subprocess.Popen([STALWART, "--log-level", "info", "agent", "--config", str(cfg)], stdout=log,
-                                stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    extra = "fault_injection = true\nprogress_interval = 0.1\nbusy_window = 5\nstall_first_step = 60.0"
+    return agent_process(etcd.endpoints[0], job, node, tmp_path, script, extra=extra,
+                         env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 @pytest.fixture
