@@ -111,7 +111,7 @@ class JoinFacts:
     in_round: bool  # the current round is open and names this node
     started: bool  # the job has had a round (open or closed since): its next round is not its first
     workers: int  # local workers a round gives this node
-    ready_spares: int  # warm spares, plus live workers that can re-form (kept through a closed round)
+    ready_spares: int  # warm spares, plus live workers of this node that can re-form
     spares_disabled: bool  # the command cannot run as a spare
     reform_in_place: bool
     warming_for: float | None  # seconds since this node began warming spares to join; None: not

@@ -72,7 +72,7 @@ from stalwart.coord.lease import Lease
 from stalwart.coord.txn import Put
 from stalwart.coord.watch import EventType, Watch
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
-from stalwart.proto.contract import ENV_SOCKET, GAVE_UP_PREFIX
+from stalwart.proto.contract import ENV_SOCKET
 
 log = logging.getLogger(__name__)
 
@@ -347,10 +347,6 @@ class NodeAgent:
         if self.config.reform_in_place and mine and not record.closed and not self._state.draining:
             self._join_in_place(record, self._assignment(record, mine[0]), cold_ok=kept_anyway)
             return
-        if record.closed and self.config.reform_in_place and not self._state.draining \
-                and not record.reason.startswith(GAVE_UP_PREFIX):
-            self._keep_through_close(record)
-            return
         self._stop_workers(f"round {record.number} {'closed: ' + record.reason if record.closed else 'opened'}")
         with self._lock:
             self._state.round = record
@@ -372,20 +368,6 @@ class NodeAgent:
                 self.stalls.started(w.rank, now)
                 self._step_clock[w.rank] = (now, "startup")
         self._joined(record)
-
-    def _keep_through_close(self, record: records_pb2.RoundRecord) -> None:
-        """A round closed for want of nodes: workers that can re-form stay (the next round, often
-        a moment later, re-forms them instead of starting cold processes); the others stop."""
-        with self._lock:
-            group = self._state.group
-            self._state.round = record
-            doomed = [w for w in (group.workers if group is not None else [])
-                      if w.running and w.pid not in self._state.can_reform]
-            kept = [w for w in (group.workers if group is not None else []) if w.running and w not in doomed]
-        log.info("agent %s: round %d closed (%s): keeping %d worker(s) for the next round, stopping %d",
-                 self.config.node_id, record.number, record.reason, len(kept), len(doomed),
-                 extra={"node": self.config.node_id, "round": record.number})
-        self._stop_in_background(doomed, self.config.stop_grace)
 
     def _assignment(self, record: records_pb2.RoundRecord, m: records_pb2.RoundMember) -> RoundAssignment:
         return RoundAssignment(

@@ -351,26 +351,3 @@ def test_a_newer_round_before_the_spare_acknowledged_keeps_the_spare(
     assert [e[2:6] for e in got if e[0] == "reform" and e[1] == spare] == [(3, 4, 3, 1)]
     assert [e[2:6] for e in got if e[0] == "reform" and e[1] == survivor] == [(0, 2, 2, 0), (2, 4, 3, 0)]
 
-
-def test_workers_that_can_reform_are_kept_through_a_closed_round_and_reformed_into_the_next(
-        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A round closed for want of nodes (often for a moment, while a lost node's peers catch up):
-    stopping its workers would make the next round start cold processes."""
-    job = _job("close")
-    keys = JobKeys(job)
-    events = tmp_path / "events"
-    monkeypatch.setenv("EVENTS", str(events))
-    agent = start_agent(_config(etcd_server, tmp_path, job))
-    _open_round(etcd_client, keys, 1, ["n0"], 29521)
-    wait_for(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "two workers stepping in round 1")
-    before = _workers(agent, 1)
-    record = records_pb2.RoundRecord.FromString(etcd_client.get(keys.round).value)  # type: ignore[union-attr]
-    record.closed, record.reason = True, "waiting: 0 healthy nodes, min_nodes=1"
-    etcd_client.put(keys.round, record.SerializeToString())
-    wait_for(lambda: agent.status().round == 1 and agent._state.round.closed, 10, "the close applied")  # noqa: SLF001
-    assert all(psutil.pid_exists(pid) for pid in before.values())
-    _open_round(etcd_client, keys, 2, ["n0"], 29522)
-    wait_for(lambda: len(_workers(agent, 2, min_step=0)) == 2, 30, "both ranks re-formed into round 2")
-    assert _workers(agent, 2) == before  # the same processes
-    assert not [e for e in _events(events) if e[0] == "start" and e[4] == 2]
