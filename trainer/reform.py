@@ -211,9 +211,10 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     if store is None:
         if spec.rank != 0:
             _wait_listening(spec.master_addr, spec.master_port, join_timeout_s, superseded, spec.round)
-        store = dist.TCPStore(spec.master_addr, spec.master_port, None, spec.rank == 0,
-                              timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
-        if spec.rank == 0:
+            store = dist.TCPStore(spec.master_addr, spec.master_port, None, False,
+                                  timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
+        else:
+            store = _host_store(spec, join_timeout_s, superseded)
             _hosted_stores[spec.master_port] = store
     prefixed = dist.PrefixStore(f"round-{spec.round}/", store)
     _arrive(prefixed, spec, join_timeout_s, superseded, on_wait)
@@ -269,6 +270,28 @@ def _arrive(store: Any, spec: ReformSpec, timeout_s: float, superseded: Callable
             on_wait(int(store.add("count", 0)), spec.world_size)
         time.sleep(pause)
         pause = min(most, pause * 2)
+
+
+def _host_store(spec: ReformSpec, timeout_s: float, superseded: Callable[[], bool]) -> Any:
+    """Rank 0's store server on the round's port. The port may still be held for a moment by the
+    process that had this rank before (it is being stopped, off its agent's main loop): retry
+    while it is in use, until ``timeout_s`` or a newer round."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return dist.TCPStore(spec.master_addr, spec.master_port, None, True,
+                                 timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        except RuntimeError as exc:  # DistNetworkError is a RuntimeError
+            if "in use" not in str(exc).lower() or time.monotonic() > deadline:
+                raise
+            if superseded():
+                raise JoinSuperseded(spec.round) from None
+            time.sleep(0.05)
 
 
 def _wait_listening(addr: str, port: int, timeout_s: float, superseded: Callable[[], bool] = lambda: False,

@@ -463,7 +463,10 @@ class Trainer:
                                 os.getpid(), spec.round, newer.round, newer.rank)
                     spec = newer
                 except Exception as exc:
-                    raise ReformFailed(f"spare cannot join round {spec.round}: {exc}", round=spec.round) from exc
+                    newer = _newer_after_broken_join(agent, spec, exc, config.reform_wait_s)
+                    if newer is None:
+                        raise ReformFailed(f"spare cannot join round {spec.round}: {exc}", round=spec.round) from exc
+                    spec = newer
         elif not dist.is_initialized():
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_PORT" not in os.environ:
                 world_sockets.joining()
@@ -1240,6 +1243,29 @@ def _fill_from_host(targets: dict[str, torch.Tensor | Shard],
         else:
             rest[name] = target
     return rest, copied
+
+
+def _newer_after_broken_join(agent: Any, spec: ReformSpec, exc: BaseException, wait_s: float) -> ReformSpec | None:
+    """A spare's join that a lost peer broke (its store host died, a connection was reset): the
+    round is lost, not the spare. Leave what formed and return the agent's next Reform, within
+    ``wait_s``; None when the error is not that (a timeout, a bad spec) or no newer round comes."""
+    text = str(exc).lower()
+    if not is_collective_error(exc) or "timed out" in text or "timeout" in text:
+        return None
+    take = getattr(agent, "take_newer_reform", None)
+    if take is None:
+        return None
+    log.error("spare pid %d: round %d broke while it formed (%s); waiting for the next round", os.getpid(),
+              spec.round, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    world_sockets.cut()
+    leave_world()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        newer = take(spec.round)
+        if newer is not None:
+            return newer
+        time.sleep(0.05)
+    return None
 
 
 def _warm_up(recipe: _EngineRecipe, config: TrainerConfig, backend: str) -> None:

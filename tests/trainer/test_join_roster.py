@@ -95,3 +95,23 @@ def test_the_peers_a_gloo_error_names_are_found() -> None:
                        "[fdff::5555:226b]:3266")
     assert peer_hosts(err) == ["10.213.227.12", "fdff::5555:226b"]
     assert peer_hosts(RuntimeError("Timed out waiting 30000ms for recv operation")) == []
+
+
+def test_rank_0_waits_for_its_port_held_by_the_process_it_replaces() -> None:
+    """The previous holder of rank 0 is stopped off its agent's main loop and may still hold the
+    round's port for a moment: the new rank 0 retries instead of failing the round."""
+    import socket
+
+    from stalwart.coord.local import free_port
+    from stalwart.trainer.reform import _host_store
+
+    port = free_port()
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    threading.Timer(0.5, holder.close).start()
+    store = _host_store(ReformSpec(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, round=3),
+                        30.0, lambda: False)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
