@@ -403,6 +403,15 @@ class _Run:
                 if r.detected_at is None and r.target in self._stragglers():
                     r.detected_at = now
                     self.straggler_seen.add(r.target)
+                last = self.rounds[-1] if self.rounds else None
+                if r.detected_at is None and not a.moot and last is not None and last.number > a.round_before \
+                        and r.target not in last.members:
+                    # Another fault took the slowed node out of the world before it could be named:
+                    # its slow-down ended with its worker.
+                    a.moot = True
+                    r.detail += "; the node left the world before it could be named a straggler: no effect"
+                    self.notes.append(f"slow-worker at {r.injected_at:.1f} s had no effect: {r.target} left the "
+                                      f"world (round {last.number}) before it could be named a straggler")
                 if r.detected_at is not None and r.resumed_at is None:
                     if not self.s.cluster.exclude_stragglers:
                         r.resumed_at = self._first_event_after("step", r.detected_at)

@@ -29,8 +29,10 @@ def _run(name: str, tmp_path: Path, timeout: float, reference: bool = True) -> R
     assert {f.kind for f in report.faults} >= {f.kind for f in scenario.faults} - needs_root
     for kind in needs_root & {f.kind for f in scenario.faults}:
         assert any(kind in note and "root" in note for note in report.notes), report.notes
+    moot = [f for f in report.faults if "no effect" in f.detail]  # e.g. its node was out of the world then
+    assert len(moot) <= 1, moot
     for fault in report.faults:
-        assert fault.detection_s is not None and fault.recovery_s is not None, fault
+        assert fault in moot or (fault.detection_s is not None and fault.recovery_s is not None), fault
     assert report.final_committed_step == scenario.job.steps
     # A NaN or a spike of the timeline is the loss of exactly its step, and the trainer faults there.
     faulted = {(e["step"], e["kind"]) for e in read_events(str(tmp_path / "work" / "run" / "steps.jsonl"))
