@@ -25,6 +25,18 @@ WORKER = str(AGENT_TESTS / "worker_script.py")  # a plain worker: reports steps,
 STALWART = str(Path(sys.executable).with_name("stalwart"))
 
 
+def stop_processes(procs: list[subprocess.Popen[bytes]], grace: float = 15.0) -> None:
+    """SIGTERM each process still running, then SIGKILL what has not exited within ``grace``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def agent_process(etcd_endpoint: str, job: str, node: str, tmp_path: Path, script: str = WORKER, extra: str = "",
                   env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """A real ``stalwart agent`` process for ``node`` with one worker running ``script``; its log is

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import psutil
-from daemon_testlib import DaemonProc, RoundLog, agent_process, members, new_job
+from daemon_testlib import DaemonProc, RoundLog, agent_process, members, new_job, stop_processes
 
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
@@ -74,13 +74,6 @@ def test_worker_death_restarts_the_round_and_a_dead_agent_shrinks_it(
         assert time.monotonic() - killed <= 2 + 2  # lease TTL, plus the daemon's decision
         assert worker.wait(timeout=5) is not None or not worker.is_running()
     finally:
-        for proc in agents.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in agents.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(list(agents.values()))
         daemon.stop()
         rounds.close()

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from daemon_testlib import WAIT, DaemonProc, RoundLog, agent_process, members, new_job
+from daemon_testlib import WAIT, DaemonProc, RoundLog, agent_process, members, new_job, stop_processes
 
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
@@ -64,13 +64,6 @@ def test_sigterm_leaves_the_world_without_a_fault(
         assert "quarantined" not in row.holds and row.faults == 0, row
         assert "quarantined" not in daemon.log()
     finally:
-        for proc in agents.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in agents.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(list(agents.values()))
         daemon.stop()
         rounds.close()
