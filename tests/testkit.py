@@ -64,6 +64,19 @@ def torchrun(script: str, *script_args: str, nnodes: str, endpoint: str, job: st
                             start_new_session=True)
 
 
+def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """Wait for a process started in its own group to exit; its return code. A process still
+    running after ``timeout`` has its whole group SIGKILLed (then TimeoutExpired is raised)."""
+    import os
+    import signal
+
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants at once, as a node losing power would.
 

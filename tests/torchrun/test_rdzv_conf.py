@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
 from stalwart.agent.torchrun_plugin import RdzvConfError, check_conf
 from stalwart.coord.local import LocalEtcd
-from testkit import torchrun
+from testkit import torchrun, wait_exit
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "elastic_gloo.py")
 
@@ -19,11 +17,7 @@ def test_a_misspelt_option_fails_torchrun_with_its_name(tmp_path: Path, etcd_ser
     out = tmp_path / "node.out"
     proc = torchrun(SCRIPT, "--steps", "1", nnodes="1", endpoint=etcd_server.endpoints[0], job="typo", node="n0",
                     conf="join_timout=5", log_file=str(out))
-    try:
-        rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    rc = wait_exit(proc, 120)
     text = out.read_text(errors="replace")
     assert rc != 0
     assert "--rdzv-conf join_timout: unknown option (did you mean 'join_timeout'?)" in text, text[-3000:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.coord.local import LocalEtcd, free_port
-from testkit import kill_tree, torchrun
+from testkit import kill_tree, torchrun, wait_exit
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = str(REPO / "examples" / "elastic_gloo.py")
@@ -97,11 +96,7 @@ def test_unreachable_etcd_fails_clearly_within_the_join_timeout(tmp_path: Path) 
     start = time.monotonic()
     proc = torchrun(SCRIPT, "--steps", "1", nnodes="1:2", endpoint=endpoint, job="unreachable", node="n0",
                     conf="join_timeout=20,etcd_timeout=3", log_file=str(out))
-    try:
-        rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    rc = wait_exit(proc, 60)
     took = time.monotonic() - start
     text = out.read_text(errors="replace")
     assert rc != 0
