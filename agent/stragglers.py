@@ -8,7 +8,7 @@ daemon judges whole nodes the same way, across nodes and over consecutive report
 
 from __future__ import annotations
 
-import statistics
+import bisect
 from collections.abc import Mapping
 from typing import TypeVar
 
@@ -21,14 +21,23 @@ def slower_than_others(busy: Mapping[K, float], factor: float) -> list[K]:
     """Keys whose value exceeds ``factor`` × the median of the other keys' values.
 
     Values that are not positive (unknown) are left out on both sides; with fewer than two
-    known values nothing can be compared and the answer is empty.
+    known values nothing can be compared and the answer is empty. O(n log n): one sort, then
+    each key's "median of the others" is read from the ranks either side of its own.
     """
     known = {k: v for k, v in busy.items() if v > 0}
     if len(known) < 2:
         return []
+    ordered = sorted(known.values())
+    n = len(ordered) - 1
+    half = n // 2
     out = []
     for key, value in known.items():
-        others = [v for k, v in known.items() if k != key]
-        if value > factor * statistics.median(others):
+        cut = bisect.bisect_left(ordered, value)
+
+        def at(i: int, cut: int = cut) -> float:
+            return ordered[i] if i < cut else ordered[i + 1]
+
+        median = at(half) if n % 2 else (at(half - 1) + at(half)) / 2
+        if value > factor * median:
             out.append(key)
     return out

@@ -606,7 +606,8 @@ class RoundMachine:
         skip = (exclude or set()) | replacing
         # A member that lost its lease and registered again in the same batch is both a survivor
         # and waiting: it keeps its place once.
-        joining = [n for n in sorted(st.waiting) if n not in survivors] if newcomers else []
+        staying = set(survivors)  # a set: a list here made the reopen O(waiting x members)
+        joining = [n for n in sorted(st.waiting) if n not in staying] if newcomers else []
         kept = [m for m in survivors + joining if m not in skip]
         if skip and self.policy.world_size_for(len(kept)) is None:
             left_out = sorted(skip & set(survivors))

@@ -10,11 +10,11 @@ Comparing with the others' median, not the overall one, keeps a two-node world d
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Iterable
+import bisect
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["ExclusionPlan", "StragglerDetector", "StragglerPolicy", "Verdict"]
+__all__ = ["ExclusionPlan", "StragglerDetector", "StragglerPolicy", "Verdict", "median_without"]
 
 
 @dataclass(frozen=True)
@@ -49,21 +49,47 @@ class _Node:
     since_step: int = 0
 
 
+def median_without(ordered: Sequence[float], value: float | None) -> float | None:
+    """``statistics.median`` of ``ordered`` (sorted) less one occurrence of ``value`` (None: less
+    nothing), in O(log n): the ranks either side of the removed element are read directly.
+    ``value`` must be in ``ordered`` when given. None when nothing is left."""
+    cut = len(ordered) if value is None else bisect.bisect_left(ordered, value)
+    n = len(ordered) - (value is not None)
+    if n <= 0:
+        return None
+
+    def at(k: int) -> float:
+        return ordered[k] if k < cut else ordered[k + 1]
+
+    half = n // 2
+    return at(half) if n % 2 else (at(half - 1) + at(half)) / 2
+
+
 @dataclass
 class StragglerDetector:
     """Feed it the members' progress reports; ask :meth:`stragglers` after each batch.
 
     :meth:`reset` at every new round: busy times of different worlds are not comparable (the
     per-rank batch changes with the world size).
+
+    Cost (the daemon calls both on every pass, at 10,000 members): the known busy times are kept
+    sorted, so a report is a binary search plus a list insert and removal (O(log n) comparisons,
+    a memmove of at most n pointers), and :meth:`stragglers` looks only at nodes with a run of
+    slow reports long enough to count. It answers exactly what recomputing every median from
+    scratch would (``tests/daemon`` keeps a property test against that simple form).
     """
 
     policy: StragglerPolicy = field(default_factory=StragglerPolicy)
     _nodes: dict[str, _Node] = field(default_factory=dict)
     _members: frozenset[str] = frozenset()
+    _sorted: list[float] = field(default_factory=list)  # busy times > 0 of every node that reported
+    _long_runs: set[str] = field(default_factory=set)  # nodes with over >= policy.steps
 
     def reset(self, members: Iterable[str]) -> None:
         self._members = frozenset(members)
         self._nodes = {}
+        self._sorted = []
+        self._long_runs = set()
 
     def report(self, node_id: str, step: int, busy_time: float) -> None:
         """A member's progress report. A report without a newer step is a heartbeat and does not
@@ -73,30 +99,31 @@ class StragglerDetector:
         node = self._nodes.setdefault(node_id, _Node())
         if step <= node.step:
             return
+        if node.busy > 0:
+            del self._sorted[bisect.bisect_left(self._sorted, node.busy)]
         node.step, node.busy = step, busy_time
-        threshold = self._threshold(node_id)
-        if threshold is not None and busy_time > threshold:
+        median = median_without(self._sorted, None)  # the others': this node is out of the list now
+        if busy_time > 0:
+            bisect.insort(self._sorted, busy_time)
+        if median is not None and busy_time > self.policy.factor * median:
             if node.over == 0:
                 node.since_step = step
             node.over += 1
         else:
             node.over = 0
+        (self._long_runs.add if node.over >= self.policy.steps else self._long_runs.discard)(node_id)
 
     def _others_median(self, node_id: str) -> float | None:
-        others = [n.busy for k, n in self._nodes.items() if k != node_id and n.busy > 0]
-        return statistics.median(others) if others else None
-
-    def _threshold(self, node_id: str) -> float | None:
-        median = self._others_median(node_id)
-        return None if median is None else self.policy.factor * median
+        node = self._nodes[node_id]
+        return median_without(self._sorted, node.busy if node.busy > 0 else None)
 
     def stragglers(self) -> list[Verdict]:
         """The current stragglers, sorted by node id."""
         out = []
-        for node_id in sorted(self._nodes):
+        for node_id in sorted(self._long_runs):
             node = self._nodes[node_id]
             median = self._others_median(node_id)
-            if node.over >= self.policy.steps and median is not None:
+            if median is not None:
                 out.append(Verdict(node_id, node.busy, median, node.over, node.since_step))
         return out
 
