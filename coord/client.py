@@ -30,6 +30,7 @@ from stalwart.coord.errors import (
     CompactedError,
     CoordError,
     EtcdAuthError,
+    EtcdQuotaExceeded,
     EtcdTimeout,
     EtcdTLSError,
     EtcdUnavailable,
@@ -69,6 +70,7 @@ _RESULTS = {
 # etcd server errors (status details) that mean "try again, maybe elsewhere": nothing was applied.
 _TRANSIENT_DETAILS = ("no leader", "leader changed", "request timed out", "too many requests", "not capable")
 _TLS_WORDS = ("ssl", "tls", "handshake", "certificate")
+_TXN_OPS = 100  # etcd refuses transactions of more than 128 operations by default
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,11 @@ class EtcdClient:
             return EtcdAuthError(f"{where}: authentication as {self.config.user!r} failed: {details}")
         if "user name is empty" in low:
             return EtcdAuthError(f"{where}: {what}: etcd requires authentication; configure user and password")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "space exceeded" in low:
+            return EtcdQuotaExceeded(
+                f"{where}: {what} refused: the etcd database is full (NOSPACE alarm: {details}); "
+                "compact, defragment each member and disarm the alarm (etcdctl alarm disarm), "
+                "or raise --quota-backend-bytes; see docs/etcd-operations.md")
         if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in low:
             return CompactedError(0, what)
         if code == grpc.StatusCode.NOT_FOUND and "lease not found" in low:
@@ -420,8 +427,72 @@ class EtcdClient:
         }
 
     def compact(self, revision: int, *, timeout: float | None = None) -> None:
+        """Drop the history before ``revision`` (keys' current values stay). Compacting at or
+        below the revision already compacted is not an error."""
         req = etcdrpc.CompactionRequest(revision=revision, physical=True)
-        self.call("compact", lambda c, t: c.kv.Compact(req, timeout=t, metadata=c.metadata), timeout=timeout)
+        try:
+            self.call("compact", lambda c, t: c.kv.Compact(req, timeout=t, metadata=c.metadata), timeout=timeout)
+        except CompactedError:
+            pass
+
+    def db_size(self, *, timeout: float | None = None) -> int:
+        """Bytes of the answering member's database file (what the space quota counts; it
+        shrinks only when the member is defragmented)."""
+        req = etcdrpc.StatusRequest()
+        resp = self.call("status", lambda c, t: c.maintenance.Status(req, timeout=t, metadata=c.metadata),
+                         timeout=timeout)
+        return int(resp.dbSize)
+
+    def alarms(self, *, timeout: float | None = None) -> list[tuple[int, str]]:
+        """The cluster's raised alarms as (member id, "NOSPACE" or "CORRUPT")."""
+        req = etcdrpc.AlarmRequest(action=etcdrpc.AlarmRequest.GET, alarm=etcdrpc.NONE)
+        resp = self.call("alarm list", lambda c, t: c.maintenance.Alarm(req, timeout=t, metadata=c.metadata),
+                         timeout=timeout)
+        return [(int(a.memberID), etcdrpc.AlarmType.Name(a.alarm)) for a in resp.alarms]
+
+    def disarm_nospace(self, *, timeout: float | None = None) -> None:
+        """Clear the NOSPACE alarm of every member (after compacting and defragmenting)."""
+        for member, kind in self.alarms(timeout=timeout):
+            if kind != "NOSPACE":
+                continue
+            req = etcdrpc.AlarmRequest(action=etcdrpc.AlarmRequest.DEACTIVATE, memberID=member, alarm=etcdrpc.NOSPACE)
+            self.call("alarm disarm", lambda c, t, r=req: c.maintenance.Alarm(r, timeout=t, metadata=c.metadata),
+                      timeout=timeout)
+
+    def defragment(self, *, timeout: float | None = None) -> None:
+        """Defragment the member in use: rewrites its database file without the free pages that
+        compaction left. The member answers nothing else meanwhile: one member at a time."""
+        req = etcdrpc.DefragmentRequest()
+        self.call("defragment", lambda c, t: c.maintenance.Defragment(req, timeout=t, metadata=c.metadata),
+                  timeout=timeout)
+
+    def put_many(self, items: Sequence[tuple[str, bytes, int]], *, timeout: float | None = None) -> int:
+        """Write many ``(key, value, lease)`` at once, one transaction per ``_TXN_OPS`` of them
+        (etcd refuses more than 128 operations in one): for many simulated nodes in one process.
+        Returns the revision of the last transaction."""
+        revision = 0
+        for i in range(0, len(items), _TXN_OPS):
+            part = items[i:i + _TXN_OPS]
+            revision = self.txn([], [Put(k, v, lease) for k, v, lease in part], timeout=timeout).revision
+        return revision
+
+    def keepalive_many(self, lease_ids: Sequence[int], *, timeout: float | None = None) -> dict[int, int]:
+        """Refresh many leases over one keep-alive stream; returns each lease's new TTL (0: gone)."""
+        if not lease_ids:
+            return {}
+
+        def refresh(c: _Conn, t: float) -> dict[int, int]:
+            requests = iter([etcdrpc.LeaseKeepAliveRequest(ID=i) for i in lease_ids])
+            stream = c.lease.LeaseKeepAlive(requests, timeout=t, metadata=c.metadata)
+            out: dict[int, int] = {}
+            for resp in stream:
+                out[int(resp.ID)] = int(resp.TTL)
+                if len(out) >= len(set(lease_ids)):
+                    stream.cancel()
+                    break
+            return out
+
+        return self.call(f"lease keepalive x{len(lease_ids)}", refresh, timeout=timeout)
 
     # -- streams (used by watch.py) ---------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 Callers act on the type: retry later (``EtcdUnavailable``/``EtcdTimeout``), fix the
 configuration (``EtcdConfigError``, ``EtcdAuthError``, ``EtcdTLSError``), re-read state
-(``CompactedError``), step down (``NotLeader``, ``LeaseLost``).
+(``CompactedError``), tell the operator (``EtcdQuotaExceeded``), step down (``NotLeader``, ``LeaseLost``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ class EtcdTLSError(EtcdUnavailable):
 
 class EtcdAuthError(CoordError, PermissionError):
     """Authentication failed or the user lacks permission for the operation."""
+
+
+class EtcdQuotaExceeded(CoordError):
+    """etcd's database reached its space quota (``--quota-backend-bytes``, 2 GiB by default) and
+    raised the NOSPACE alarm: every write is refused (reads and deletes still work) until an
+    operator compacts, defragments and disarms the alarm. Nothing was written; the caller keeps
+    what it meant to write and tries again later. Not retried here: waiting cannot fix it."""
 
 
 class CompactedError(CoordError):
