@@ -85,3 +85,17 @@ def test_agent_unit_is_hardened() -> None:
     match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout + out.stderr)
     assert match, out.stdout + out.stderr
     assert float(match.group(1)) <= 3.0, match.group(0)  # it was 8.9 EXPOSED
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_daemon_unit_is_hardened() -> None:
+    s = _settings("stalwart-daemon.service")
+    assert s["EnvironmentFile"] == ["-/etc/stalwart/daemon.env"]  # the etcd password stays out of the unit
+    assert s["PrivateDevices"] == ["yes"] and s["CapabilityBoundingSet"] == [""]  # it needs no device, no capability
+    out = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(DEPLOY / "stalwart-daemon.service")],
+                         capture_output=True, text=True, timeout=60)
+    if "Unknown option" in out.stderr or "unrecognized option" in out.stderr:
+        pytest.skip("this systemd-analyze has no --offline")
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout + out.stderr)
+    assert match, out.stdout + out.stderr
+    assert float(match.group(1)) <= 2.0, match.group(0)  # it was 8.5 EXPOSED
