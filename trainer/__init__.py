@@ -26,6 +26,8 @@ _EXPORTS = {
     "StepBatch": "batching",
     "accumulation_steps": "batching",
     "valid_world_sizes": "batching",
+    "DataOrderError": "data",
+    "StepBatchSampler": "data",
     "IncompatibleCheckpoint": "errors",
     "InvalidWorldSize": "errors",
     "StepOutOfOrder": "errors",

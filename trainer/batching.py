@@ -147,6 +147,15 @@ class GlobalBatchSampler:
     def steps_per_epoch(self) -> int:
         return self.dataset_len // self.global_batch
 
+    def fork(self, position: DataPosition) -> GlobalBatchSampler:
+        """An independent sampler of the same order, world and skipped windows, at ``position``
+        (a data loader plans ahead from it without moving this one)."""
+        other = GlobalBatchSampler.__new__(GlobalBatchSampler)
+        other.__dict__.update(self.__dict__)
+        other._position = position
+        other._skip = {e: list(ws) for e, ws in self._skip.items()}
+        return other
+
     def epoch_order(self, epoch: int) -> list[int]:
         """The order of all sample indices in ``epoch`` (the same on every rank and every run)."""
         if epoch != self._order_epoch:
