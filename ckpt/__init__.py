@@ -26,6 +26,8 @@ from stalwart.ckpt.errors import (
     UnsafePath,
     UnsupportedFormat,
 )
+from stalwart.ckpt.export import FORMATS as EXPORT_FORMATS
+from stalwart.ckpt.export import ExportFailed, ExportReport, export
 from stalwart.ckpt.layout import Box, Region, split_evenly
 from stalwart.ckpt.loader import LoadResult, load
 from stalwart.ckpt.retention import GcReport, RetentionPolicy, collect_garbage
@@ -49,6 +51,9 @@ __all__ = [
     "CommitInfo",
     "CommittedSnapshot",
     "CommitTimeout",
+    "EXPORT_FORMATS",
+    "ExportFailed",
+    "ExportReport",
     "Coordinator",
     "GcReport",
     "LayoutMismatch",
@@ -67,6 +72,7 @@ __all__ = [
     "atomic_write",
     "collect_garbage",
     "default_coordinator",
+    "export",
     "inspect",
     "list_checkpoints",
     "load",

@@ -1,4 +1,4 @@
-"""``stalwart ckpt``: list, verify, inspect and garbage-collect checkpoints under a root.
+"""``stalwart ckpt``: list, verify, inspect, export and garbage-collect checkpoints under a root.
 
 Exit codes: 0 all good; 1 a checkpoint is corrupt or unreadable (verify, inspect), or gc could not
 remove something (a read-only root); 2 bad usage or a bad ROOT (missing, not a directory, a step
@@ -86,6 +86,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.set_defaults(func=_guarded(run_inspect))
 
+    exp = cmds.add_parser("export", help="one checkpoint as a consolidated state dict (safetensors or torch .pt)")
+    exp.add_argument("root")
+    exp.add_argument("step", type=int)
+    exp.add_argument("--to", choices=["safetensors", "pt"], default="safetensors", dest="fmt",
+                     help="output format (default safetensors; pt loads with torch.load(weights_only=True))")
+    exp.add_argument("--out", default=None, help="output file (default: ./step-STEP.safetensors or .pt)")
+    exp.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                     help="cast floating-point weights (default: as saved, fp32 master weights)")
+    exp.add_argument("--all", action="store_true",
+                     help="every tensor under its checkpoint name (optimizer state too), not only the model's")
+    exp.add_argument("--force", action="store_true", help="replace an existing output file")
+    exp.set_defaults(func=_guarded(run_export))
+
     gc = cmds.add_parser("gc", help="remove checkpoints outside the retention policy and unfinished saves")
     gc.add_argument("root")
     gc.add_argument("--keep-last", type=int, default=3, help="newest committed checkpoints to keep (default 3)")
@@ -94,6 +107,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="unfinished saves newer than every commit are kept this long (default 3600)")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     gc.set_defaults(func=_guarded(run_gc))
+
+
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+# The trainer's tensor names (stalwart.trainer.zero_state): a model's state dict is its fp32 master
+# weights, frozen parameters and buffers, under the module's own names; Adam's moments are left out.
+_MODEL_PREFIXES = ("fp32/", "frozen/", "buffer/")
+
+
+def _model_name(name: str) -> str | None:
+    for prefix in _MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return None
 
 
 def _size(n: float) -> str:
@@ -242,4 +268,42 @@ def run_gc(args: argparse.Namespace) -> int:
         steps = ", ".join(str(step) for step, _ in report.errors)
         _error(f"cannot remove step(s) {steps} under {args.root}: {report.errors[0][1]}")
         return EXIT_BAD
+    return EXIT_OK
+
+
+def run_export(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    out = args.out or f"step-{args.step}.{args.fmt}"
+    if args.fmt == "safetensors" and importlib.util.find_spec("safetensors") is None:
+        _error("safetensors is not installed: pip install 'stalwart[export]' (or use --to pt)")
+        return EXIT_USAGE
+    if os.path.exists(out) and not args.force:
+        _error(f"{out} exists; pass --force to replace it")
+        return EXIT_USAGE
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        _error(f"the directory of {out} does not exist")
+        return EXIT_USAGE
+    import torch
+
+    from stalwart.ckpt import CheckpointNotFound, ExportFailed, export, read_manifest
+
+    try:
+        manifest = read_manifest(args.root, args.step)
+    except CheckpointNotFound as exc:
+        _error(f"not found: {exc}")
+        return EXIT_NOT_FOUND
+    rename = None if args.all else _model_name
+    if rename is not None and not any(_model_name(n) for n in manifest.tensors):
+        _error(f"step {args.step} has no model tensors ({', '.join(_MODEL_PREFIXES)}); pass --all to export "
+               "every tensor under its checkpoint name")
+        return EXIT_USAGE
+    try:
+        report = export(args.root, args.step, out, args.fmt, rename=rename,
+                        dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except ExportFailed as exc:
+        _error(str(exc))
+        return EXIT_BAD
+    print(f"step {report.step} (saved by {report.world_size} ranks): {report.tensors} tensors, "
+          f"{_size(report.bytes)} -> {report.path} ({report.format}), verified on load")
     return EXIT_OK
