@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import sys
 import time
 
@@ -38,8 +39,18 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def setup(level: str = "info", fmt: str = "text") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def setup(level: str = "info", fmt: str = "text", file: str | None = None, max_bytes: int = 64 << 20,
+          backups: int = 4) -> None:
+    """Log to stderr (journald keeps and rotates it under systemd), or to ``file``, rotated at
+    ``max_bytes`` with ``backups`` old files kept: a daemon that runs for months must not fill
+    its disk with its own log."""
+    handler: logging.Handler
+    if file:
+        if max_bytes < 1 or backups < 1:
+            raise ValueError(f"log rotation needs max_bytes >= 1 and backups >= 1, got {max_bytes} and {backups}")
+        handler = logging.handlers.RotatingFileHandler(file, maxBytes=max_bytes, backupCount=backups)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="text", choices=["text", "json"],
                         help="one event a line, as text or as JSON objects")
+    parser.add_argument("--log-file", metavar="PATH", help="log to this file, rotated (default: stderr)")
+    parser.add_argument("--log-max-bytes", type=int, default=64 << 20, help="rotate the log file at this size")
+    parser.add_argument("--log-backups", type=int, default=4, help="rotated log files kept")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _COMMANDS:
         module.register(sub)
@@ -33,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logs.setup(args.log_level, args.log_format)
+    logs.setup(args.log_level, args.log_format, args.log_file, args.log_max_bytes, args.log_backups)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

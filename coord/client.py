@@ -426,10 +426,11 @@ class EtcdClient:
             "raft_term": resp.raftTerm,
         }
 
-    def compact(self, revision: int, *, timeout: float | None = None) -> None:
-        """Drop the history before ``revision`` (keys' current values stay). Compacting at or
-        below the revision already compacted is not an error."""
-        req = etcdrpc.CompactionRequest(revision=revision, physical=True)
+    def compact(self, revision: int, *, physical: bool = True, timeout: float | None = None) -> None:
+        """Drop the history before ``revision`` (keys' current values stay). ``physical``: wait
+        until the space is free (slow on a large database); else etcd frees it in the background.
+        Compacting at or below the revision already compacted is not an error."""
+        req = etcdrpc.CompactionRequest(revision=revision, physical=physical)
         try:
             self.call("compact", lambda c, t: c.kv.Compact(req, timeout=t, metadata=c.metadata), timeout=timeout)
         except CompactedError:

@@ -64,6 +64,12 @@ class DaemonSettings:
       (it changes with every registration while a job forms).
     - ``metrics_host`` ("0.0.0.0"), ``metrics_port`` (9464): Prometheus ``/metrics``; 0 disables.
     - ``health_host`` ("0.0.0.0"), ``health_port`` (0): the gRPC health service; 0 disables.
+    - ``compact_interval`` (300): the leader compacts etcd's history this often, keeping at least
+      this long of it (as etcd's ``--auto-compaction-mode=periodic`` would): a job writes for months
+      and uncompacted revisions fill the database quota. 0: leave it to etcd's own setting.
+    - ``keep_ckpt_records`` (100): checkpoint commit records kept in etcd, newest first; older
+      ones are deleted (the checkpoints themselves are kept or removed by the checkpoint
+      retention, on storage). 0: keep every record.
     """
 
     __pydantic_config__ = STRICT
@@ -78,6 +84,8 @@ class DaemonSettings:
     metrics_port: int = 9464
     health_host: str = "0.0.0.0"
     health_port: int = 0
+    compact_interval: float = 300.0
+    keep_ckpt_records: int = 100
 
     def __post_init__(self) -> None:
         for name in ("job", "daemon_id", "metrics_host", "health_host"):
@@ -91,13 +99,13 @@ class DaemonSettings:
             raise ConfigError(f"daemon.job: {exc}") from exc
         if not self.daemon_id:
             object.__setattr__(self, "daemon_id", default_daemon_id())
-        for name in ("lease_ttl", "metrics_port", "health_port"):
+        for name in ("lease_ttl", "metrics_port", "health_port", "keep_ckpt_records"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"daemon.{name} must be an integer, got {value!r}")
         if self.lease_ttl < 2:
             raise ConfigError(f"daemon.lease_ttl must be at least 2 s (etcd's minimum), got {self.lease_ttl}")
-        for name in ("tick_interval", "batch_window", "status_interval"):
+        for name in ("tick_interval", "batch_window", "status_interval", "compact_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"daemon.{name} must be a finite number of seconds, got {value!r}")
@@ -107,6 +115,11 @@ class DaemonSettings:
                               f"got {self.tick_interval:g}")
         if not 0 <= self.batch_window < self.tick_interval:
             raise ConfigError(f"daemon.batch_window must be in [0, tick_interval), got {self.batch_window:g}")
+        if self.compact_interval < 0:
+            raise ConfigError(f"daemon.compact_interval must not be negative (0: off), got {self.compact_interval:g}")
+        if self.keep_ckpt_records < 0:
+            raise ConfigError(f"daemon.keep_ckpt_records must not be negative (0: keep all), "
+                              f"got {self.keep_ckpt_records}")
         if self.status_interval < 0:
             raise ConfigError(f"daemon.status_interval must not be negative, got {self.status_interval:g}")
         for name in ("metrics_port", "health_port"):

@@ -168,6 +168,13 @@ class Feed:
                 out += self._cordon(name, ev.value)
         return out
 
+    def forget_old_rounds(self) -> None:
+        """Drop what only older rounds' reports are checked against (call when a round opens):
+        a job that runs for months opens thousands of rounds."""
+        floor = self.round_number - 1
+        self._failures_seen = {(n, r) for n, r in self._failures_seen if abs(r) >= floor}
+        self._lost_peers = {n: v for n, v in self._lost_peers.items() if v[0] >= floor}
+
     # --- per key kind ---------------------------------------------------------------------------
 
     def _node_put(self, node_id: str, value: bytes) -> list[Event]:

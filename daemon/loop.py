@@ -14,7 +14,10 @@ Protocol, in order:
    leaders can never write two records for one round number; a ``CloseRound`` marks the same
    record closed; a ``Status`` goes to the status key, rate-limited. Fault histories that
    changed are written before the decisions of their batch.
-5. On any doubt (lease lost, ``NotLeader``, a round write that lost its compare, etcd gone,
+5. Housekeeping, so that a job can write for months: every ``compact_interval`` compact etcd's
+   history up to the revision this leader had seen one interval before; keep the newest
+   ``keep_ckpt_records`` checkpoint commit records and delete the older ones (guarded writes).
+6. On any doubt (lease lost, ``NotLeader``, a round write that lost its compare, etcd gone,
    compacted watch history) stop deciding at once, drop the machine and go back to 1; the
    next term re-reads everything, so no decision is made twice and no round number is skipped.
 
@@ -23,6 +26,7 @@ Liveness of a node is its node key bound to its agent's lease: a DELETE is a los
 
 from __future__ import annotations
 
+import bisect
 import logging
 import socket
 import threading
@@ -35,10 +39,10 @@ from typing import TypeVar
 from stalwart.coord.client import EtcdClient, TxnResult
 from stalwart.coord.election import Election, Leadership
 from stalwart.coord.errors import CoordError, EtcdTimeout, LeaseLost, NotLeader
-from stalwart.coord.keys import JobKeys
+from stalwart.coord.keys import JobKeys, Kind
 from stalwart.coord.lease import Lease
 from stalwart.coord.txn import Delete, Get, Op, Put, absent, mod_revision_is
-from stalwart.coord.watch import Watch, WatchEvent
+from stalwart.coord.watch import EventType, Watch, WatchEvent
 from stalwart.daemon import codec
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.errors import DaemonError
@@ -102,6 +106,8 @@ class _Term:
     straggling: tuple[Verdict, ...] = ()
     exclusion: ExclusionPlan = field(default_factory=ExclusionPlan)
     excluded: dict[str, records_pb2.Straggler] = field(default_factory=dict)
+    ckpt_steps: list[int] = field(default_factory=list)  # sorted: the commit records in etcd
+    compact_mark: tuple[float, int] | None = None  # (when, revision): compacted to one interval later
 
 
 class Daemon:
@@ -222,7 +228,8 @@ class Daemon:
                         decisions = term.machine.handle(Tick(), now)
                     self._apply(term, decisions, now)
                     self._check_stragglers(term, events, now)
-                    self._housekeeping(term, now)
+                    self._note_ckpts(term, batch)
+                    self._housekeeping(term, now, watch.next_revision - 1)
         except (NotLeader, LeaseLost, RoundConflict) as exc:
             log.warning("daemon %s: stopped deciding: %s", s.daemon_id, exc, extra={"round": self.round_number})
             raise _StepDown from exc
@@ -250,6 +257,9 @@ class Daemon:
         for f in snap.faults:
             machine.restore_node(f.node_id, [wall - t for t in f.fault_times], f.quarantined)
         term = _Term(leadership, lease, machine, feed, snap.round_revision, snap.round_value, revision + 1)
+        term.ckpt_steps = sorted(p.step for p in map(self.keys.parse, (kv.key for kv in kvs))
+                                 if p is not None and p.kind is Kind.CKPT)
+        term.compact_mark = (now, revision)
         pol = self.config.policy
         term.stragglers = StragglerDetector(StragglerPolicy(pol.straggler_factor, pol.straggler_steps))
         term.stragglers.reset(feed.members)
@@ -304,6 +314,7 @@ class Daemon:
                                                            self.settings.daemon_id, self._wall()), d.number)
                 term.feed.members = frozenset(m.node_id for m in d.members)
                 term.feed.round_number = d.number
+                term.feed.forget_old_rounds()
                 term.stragglers.reset(term.feed.members)
                 self._set_world(d)
                 self._decided(term, "open", d.number)
@@ -468,9 +479,48 @@ class Daemon:
 
     # --- bookkeeping ----------------------------------------------------------------------------
 
-    def _housekeeping(self, term: _Term, now: float) -> None:
+    def _note_ckpts(self, term: _Term, batch: list[WatchEvent]) -> None:
+        """Remember the commit records written (also the undecodable ones: they are pruned too)."""
+        prefix = self.keys.ckpt_prefix
+        for ev in batch:
+            if ev.type is EventType.PUT and ev.key.startswith(prefix):
+                parsed = self.keys.parse(ev.key)
+                if parsed is not None and parsed.kind is Kind.CKPT:
+                    i = bisect.bisect_left(term.ckpt_steps, parsed.step)
+                    if i == len(term.ckpt_steps) or term.ckpt_steps[i] != parsed.step:
+                        term.ckpt_steps.insert(i, parsed.step)
+
+    def _prune_ckpts(self, term: _Term) -> None:
+        keep = self.settings.keep_ckpt_records
+        if not keep or len(term.ckpt_steps) <= keep:
+            return
+        old, term.ckpt_steps = term.ckpt_steps[:-keep], term.ckpt_steps[-keep:]
+        ops: list[Op] = [Delete(self.keys.ckpt(step)) for step in old]
+        for i in range(0, len(ops), _TXN_OPS):
+            self._guarded(term, [], ops[i:i + _TXN_OPS], [], "prune_txn")
+        self.metrics.pruned.inc(len(old))
+        log.info("pruned %d checkpoint records (steps %d..%d); %d kept", len(old), old[0], old[-1], keep,
+                 extra={"round": self.round_number})
+
+    def _compact(self, term: _Term, now: float, revision: int) -> None:
+        """Compact to the revision seen one interval ago: watchers (agents, a standby that just
+        read the job) that lag by less than an interval resume without re-reading."""
+        interval = self.settings.compact_interval
+        mark = term.compact_mark
+        if not interval or mark is None or now - mark[0] < interval:
+            return
+        term.compact_mark = (now, revision)
+        if mark[1] <= 0:
+            return
+        self._timed("compact", lambda: self.client.compact(mark[1], physical=False))
+        self.metrics.compacted.set(mark[1])
+        log.debug("compacted etcd history up to revision %d", mark[1], extra={"round": self.round_number})
+
+    def _housekeeping(self, term: _Term, now: float, revision: int) -> None:
         self.notifier.watchdog()
         self._flush_status(term, now)
+        self._prune_ckpts(term)
+        self._compact(term, now, revision)
         if now - term.scanned_at >= self.settings.tick_interval:
             term.scanned_at = now
             counts = Tally(rec.state.value for rec in term.machine.state.nodes.values())

@@ -53,6 +53,10 @@ class Metrics:
             buckets=_RECOVERY_BUCKETS, registry=r)
         self.etcd_latency = Histogram("stalwart_daemon_etcd_request_seconds", "etcd requests of the daemon",
                                       ["op"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.pruned = Counter("stalwart_daemon_pruned_ckpt_records", "checkpoint commit records deleted from etcd "
+                              "(older than the newest keep_ckpt_records)", registry=r)
+        self.compacted = Gauge("stalwart_daemon_compacted_revision", "etcd revision this daemon last compacted to",
+                               registry=r)
         self.terms = Counter("stalwart_daemon_terms", "times this daemon became leader", registry=r)
         self.straggler = Gauge("stalwart_daemon_straggler", "1 while the node is a straggler (busy time per step "
                                "over straggler_factor x the others' median)", ["node"], registry=r)
