@@ -39,7 +39,17 @@ def _flag_type(hint: object) -> object:
             return t
     if hint is bool:
         return _boolean
+    if typing.get_origin(hint) is tuple and typing.get_args(hint)[:1] == (int,):
+        return _int_list
     return str
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """A flag for a list of whole numbers (``world_sizes``): ``1,2,4,8``."""
+    try:
+        return tuple(int(part) for part in text.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
 
 
 def _boolean(text: str) -> bool:

@@ -7,6 +7,7 @@ constructor, and every error is a :class:`PolicyError` that names the field and 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,14 @@ class RoundPolicy:
     - ``node_quantum`` (1): every world size is a multiple of it (e.g. the pipeline-parallel
       degree times the nodes per replica). At least one multiple must lie in
       ``[min_nodes, max_nodes]``.
+    - ``world_sizes`` (empty: any): the node counts a round may have, for a job that trains only at
+      some, e.g. ``[1, 2, 4, 8, 16, 32]``.
+    - ``global_batch``, ``micro_batch``, ``workers_per_node`` (0: unset; all three or none): the
+      job's batch sizes and workers per node. A round then has only node counts ``n`` the trainer
+      can split the global batch over (``n * workers_per_node`` divides ``global_batch /
+      micro_batch``; the trainer refuses any other world with ``InvalidWorldSize``): for 1024, 4
+      and 8 that is 1, 2, 4, 8, 16 and 32 nodes. Every rule above applies too; at least one node
+      count must satisfy them all.
     - ``join_timeout`` (60): the first round opens this long after the first node registered, or
       earlier once the largest feasible world (``max_nodes`` rounded down to the quantum) is there.
       If fewer than ``min_nodes`` are there by then, it opens as soon as they are.
@@ -58,6 +67,10 @@ class RoundPolicy:
     min_nodes: int = 1
     max_nodes: int = 10_000
     node_quantum: int = 1
+    world_sizes: tuple[int, ...] = ()
+    global_batch: int = 0
+    micro_batch: int = 0
+    workers_per_node: int = 0
     join_timeout: float = 60.0
     regrow_cooldown: float = 300.0
     quarantine_faults: int = 3
@@ -77,7 +90,8 @@ class RoundPolicy:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 1:
             raise PolicyError(f"straggler_factor must be a finite number > 1, got {value!r}")
         object.__setattr__(self, "straggler_factor", float(value))
-        for name in ("min_nodes", "max_nodes", "node_quantum", "quarantine_faults", "master_port", "straggler_steps"):
+        for name in ("min_nodes", "max_nodes", "node_quantum", "quarantine_faults", "master_port", "straggler_steps",
+                     "global_batch", "micro_batch", "workers_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PolicyError(f"{name} must be an integer, got {value!r}")
@@ -92,11 +106,7 @@ class RoundPolicy:
             raise PolicyError(f"min_nodes ({self.min_nodes}) must not exceed max_nodes ({self.max_nodes})")
         if self.node_quantum < 1:
             raise PolicyError(f"node_quantum must be at least 1, got {self.node_quantum}")
-        if self.largest_world_size < self.min_nodes:
-            raise PolicyError(
-                f"node_quantum ({self.node_quantum}) divides no world size between "
-                f"min_nodes ({self.min_nodes}) and max_nodes ({self.max_nodes})"
-            )
+        self._check_world_sizes()
         if self.join_timeout < 0:
             raise PolicyError(f"join_timeout must not be negative, got {self.join_timeout}")
         if self.regrow_cooldown < 0:
@@ -122,13 +132,54 @@ class RoundPolicy:
         policy: RoundPolicy = build(cls, mapping, "policy", PolicyError)
         return policy
 
+    def _check_world_sizes(self) -> None:
+        sizes = self.world_sizes
+        if isinstance(sizes, list):
+            sizes = tuple(sizes)
+            object.__setattr__(self, "world_sizes", sizes)
+        if not isinstance(sizes, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+            raise PolicyError(f"world_sizes must be a list of node counts >= 1, got {sizes!r}")
+        batch = (self.global_batch, self.micro_batch, self.workers_per_node)
+        if any(batch) and not all(v > 0 for v in batch):
+            raise PolicyError(f"global_batch, micro_batch and workers_per_node go together (each > 0), got "
+                              f"{self.global_batch}, {self.micro_batch} and {self.workers_per_node}")
+        if any(batch) and self.global_batch % self.micro_batch:
+            raise PolicyError(f"global_batch ({self.global_batch}) must be a multiple of micro_batch "
+                              f"({self.micro_batch})")
+        per_step = self.global_batch // self.micro_batch if any(batch) else 0
+        allowed = tuple(n for n in range(self.min_nodes, self.max_nodes + 1)
+                        if n % self.node_quantum == 0 and (not sizes or n in sizes)
+                        and (not per_step or per_step % (n * self.workers_per_node) == 0))  # fmt: skip
+        if not allowed:
+            rules = [f"is a multiple of node_quantum ({self.node_quantum})"]
+            if sizes:
+                rules.append(f"is in world_sizes {list(sizes)}")
+            if per_step:
+                rules.append(f"splits global_batch {self.global_batch} into micro batches of {self.micro_batch} "
+                             f"over {self.workers_per_node} workers a node")
+            raise PolicyError(f"no node count between min_nodes ({self.min_nodes}) and max_nodes ({self.max_nodes}) "
+                              + " and ".join(rules))
+        object.__setattr__(self, "_allowed", allowed)
+
+    @property
+    def allowed_world_sizes(self) -> tuple[int, ...]:
+        """Every node count a round may have, ascending (never empty)."""
+        allowed: tuple[int, ...] = self.__dict__["_allowed"]
+        return allowed
+
     @property
     def largest_world_size(self) -> int:
-        """``max_nodes`` rounded down to a multiple of ``node_quantum``."""
-        return self.max_nodes // self.node_quantum * self.node_quantum
+        """The largest node count a round may have (at most ``max_nodes``)."""
+        return self.allowed_world_sizes[-1]
+
+    @property
+    def smallest_world_size(self) -> int:
+        """The smallest node count a round may have (at least ``min_nodes``)."""
+        return self.allowed_world_sizes[0]
 
     def world_size_for(self, available: int) -> int | None:
-        """The world size a round gets when ``available`` eligible nodes are there: capped at
-        ``max_nodes``, rounded down to ``node_quantum``; None when that falls below ``min_nodes``."""
-        size = min(available, self.max_nodes) // self.node_quantum * self.node_quantum
-        return size if size >= self.min_nodes else None
+        """The world size a round gets when ``available`` eligible nodes are there: the largest
+        allowed node count not above it; None when even the smallest needs more."""
+        allowed = self.allowed_world_sizes
+        i = bisect.bisect_right(allowed, available)
+        return allowed[i - 1] if i else None

@@ -633,7 +633,7 @@ class RoundMachine:
         chosen = candidates[:size]
         if len(candidates) > size:
             why += f" (world {size} of {len(candidates)} eligible: max_nodes={pol.max_nodes}, " \
-                   f"node_quantum={pol.node_quantum})"
+                   f"node_quantum={pol.node_quantum}, world sizes {_sizes(pol)})"
         number = st.last_round_number + 1
         why += f"; world {len(old.members)} -> {size}" if old is not None else f"; world {size}"
         if old is not None:
@@ -666,11 +666,11 @@ class RoundMachine:
 
     def _waiting_reason(self, n: int) -> str:
         pol = self.policy
-        need = -(-pol.min_nodes // pol.node_quantum) * pol.node_quantum
+        need = pol.smallest_world_size
         if need == pol.min_nodes:
             return f"waiting: {_healthy(n)}, min_nodes={pol.min_nodes}"
         return (f"waiting: {_healthy(n)}, a round needs {need} "
-                f"(min_nodes={pol.min_nodes}, node_quantum={pol.node_quantum})")
+                f"(min_nodes={pol.min_nodes}, node_quantum={pol.node_quantum}, world sizes {_sizes(pol)})")
 
     def _status(self, reason: str) -> list[Decision]:
         if reason == self.state.last_status:
@@ -728,6 +728,13 @@ class RoundMachine:
 LOST_BY_PEERS_HOLD = 15.0
 """Seconds a node lost by its peers stays out of new rounds unless it registers again. A dead
 node's lease expires well within it; a live one (its agent was only slow to answer) rejoins after."""
+
+
+def _sizes(pol: RoundPolicy) -> str:
+    """The allowed node counts, short: ``1, 2, 4 .. 32`` (all of them when they are few)."""
+    sizes = pol.allowed_world_sizes
+    shown = [str(s) for s in sizes] if len(sizes) <= 8 else [*map(str, sizes[:3]), "..", str(sizes[-1])]
+    return ", ".join(shown).replace(", ..,", " ..")
 
 
 def _healthy(n: int) -> str:
