@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -41,7 +42,17 @@ def _flag_type(hint: object) -> object:
         return _boolean
     if typing.get_origin(hint) is tuple and typing.get_args(hint)[:1] == (int,):
         return _int_list
+    if typing.get_origin(hint) is tuple:
+        return _command
     return str
+
+
+def _command(text: str) -> tuple[str, ...]:
+    """A flag for a list setting (a command): split as a shell would, without running one."""
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"cannot split {text!r}: {exc}") from None
 
 
 def _int_list(text: str) -> tuple[int, ...]:

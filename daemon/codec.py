@@ -269,9 +269,19 @@ def encode_faults(node_id: str, fault_times: Sequence[float], quarantined: bool,
 
 
 def encode_status(reason: str, round_number: int, daemon_id: str, at: float,
-                  stragglers: Sequence[records_pb2.Straggler] = ()) -> bytes:
+                  stragglers: Sequence[records_pb2.Straggler] = (),
+                  goodput: records_pb2.JobGoodput | None = None) -> bytes:
     return records_pb2.DaemonStatus(reason=reason, round=round_number, daemon_id=daemon_id, at=at,
-                                    stragglers=list(stragglers)).SerializeToString()
+                                    stragglers=list(stragglers), goodput=goodput).SerializeToString()
+
+
+def decode_goodput(value: bytes) -> records_pb2.JobGoodput | None:
+    """The goodput a previous leader wrote into the status record (None: none, or unreadable)."""
+    try:
+        rec = records_pb2.DaemonStatus.FromString(value)
+    except DecodeError:
+        return None
+    return rec.goodput if rec.HasField("goodput") else None
 
 
 def encode_leader(daemon_id: str, address: str, at: float) -> bytes:
@@ -313,8 +323,16 @@ def status_summary(value: bytes) -> dict[str, object]:
     stragglers = [{"node": s.node_id, "busy_time": s.busy_time, "others_median": s.others_median,
                    "consecutive": int(s.consecutive), "excluded": bool(s.excluded), "since_step": int(s.since_step)}
                   for s in rec.stragglers]
+    goodput = None
+    if rec.HasField("goodput"):
+        g = rec.goodput
+        goodput = {"productive_seconds": g.productive_seconds, "elapsed_seconds": g.elapsed_seconds,
+                   "ratio": min(1.0, g.productive_seconds / g.elapsed_seconds) if g.elapsed_seconds > 0 else None,
+                   "step": int(g.step), "step_time": g.step_time or None,
+                   "faults": [{"node": f.node_id, "kind": f.kind, "at": f.at, "step": int(f.step),
+                               "cost": f.cost if f.known else None} for f in g.faults]}
     return {"reason": rec.reason, "round": int(rec.round), "daemon_id": rec.daemon_id, "at": rec.at,
-            "stragglers": stragglers}
+            "stragglers": stragglers, "goodput": goodput}
 
 
 def progress_summary(node_id: str, value: bytes) -> dict[str, object]:

@@ -70,6 +70,10 @@ class DaemonSettings:
     - ``keep_ckpt_records`` (100): checkpoint commit records kept in etcd, newest first; older
       ones are deleted (the checkpoints themselves are kept or removed by the checkpoint
       retention, on storage). 0: keep every record.
+    - ``on_quarantine`` (none): a command (argv list) the leader runs for each node it quarantines,
+      so the scheduler stops handing the node out (Slurm drain, Kubernetes cordon); ``{node}``,
+      ``{job}`` and ``{reason}`` are replaced in each argument (see :mod:`stalwart.daemon.hooks`).
+    - ``hook_timeout`` (30): seconds one run of that command may take before it is killed.
     """
 
     __pydantic_config__ = STRICT
@@ -86,6 +90,8 @@ class DaemonSettings:
     health_port: int = 0
     compact_interval: float = 300.0
     keep_ckpt_records: int = 100
+    on_quarantine: tuple[str, ...] = ()
+    hook_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("job", "daemon_id", "metrics_host", "health_host"):
@@ -105,7 +111,11 @@ class DaemonSettings:
                 raise ConfigError(f"daemon.{name} must be an integer, got {value!r}")
         if self.lease_ttl < 2:
             raise ConfigError(f"daemon.lease_ttl must be at least 2 s (etcd's minimum), got {self.lease_ttl}")
-        for name in ("tick_interval", "batch_window", "status_interval", "compact_interval"):
+        if not isinstance(self.on_quarantine, tuple) or not all(isinstance(a, str) for a in self.on_quarantine):
+            raise ConfigError(f"daemon.on_quarantine must be a list of strings (a command), got {self.on_quarantine!r}")
+        if self.on_quarantine and not self.on_quarantine[0]:
+            raise ConfigError("daemon.on_quarantine: the command's first element (the program) is empty")
+        for name in ("tick_interval", "batch_window", "status_interval", "compact_interval", "hook_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"daemon.{name} must be a finite number of seconds, got {value!r}")
@@ -120,6 +130,8 @@ class DaemonSettings:
         if self.keep_ckpt_records < 0:
             raise ConfigError(f"daemon.keep_ckpt_records must not be negative (0: keep all), "
                               f"got {self.keep_ckpt_records}")
+        if self.hook_timeout <= 0:
+            raise ConfigError(f"daemon.hook_timeout must be positive, got {self.hook_timeout:g}")
         if self.status_interval < 0:
             raise ConfigError(f"daemon.status_interval must not be negative, got {self.status_interval:g}")
         for name in ("metrics_port", "health_port"):

@@ -47,6 +47,8 @@ from stalwart.daemon import codec
 from stalwart.daemon.config import DaemonConfig
 from stalwart.daemon.errors import DaemonError
 from stalwart.daemon.feed import Feed
+from stalwart.daemon.goodput import GoodputTracker, fault_kind
+from stalwart.daemon.hooks import QuarantineHook
 from stalwart.daemon.nodes import NodeState
 from stalwart.daemon.observe import HealthService, Metrics, SystemdNotifier
 from stalwart.daemon.round_events import (
@@ -75,6 +77,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _MAX_BATCH = 200_000
 _TXN_OPS = 100  # etcd refuses transactions of more than 128 operations by default
+GOODPUT_INTERVAL = 10.0  # seconds between two writes of the job's goodput into the status record
 
 
 class RoundConflict(DaemonError):
@@ -108,6 +111,8 @@ class _Term:
     excluded: dict[str, records_pb2.Straggler] = field(default_factory=dict)
     ckpt_steps: list[int] = field(default_factory=list)  # sorted: the commit records in etcd
     compact_mark: tuple[float, int] | None = None  # (when, revision): compacted to one interval later
+    goodput: GoodputTracker = field(default_factory=GoodputTracker)  # fed with wall time
+    peak_workers: int = 0
 
 
 class Daemon:
@@ -120,6 +125,7 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig, client: EtcdClient, *, metrics: Metrics | None = None,
                  notifier: SystemdNotifier | None = None, health: HealthService | None = None,
+                 hook: QuarantineHook | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.config = config
         self.settings = config.daemon
@@ -129,6 +135,7 @@ class Daemon:
         self.metrics = metrics or Metrics()
         self.notifier = notifier or SystemdNotifier({})
         self.health = health
+        self.hook = hook or QuarantineHook((), config.daemon.job, config.daemon.hook_timeout)
         self._clock, self._wall = clock, wall
         self._term: _Term | None = None
         self.round_number = 0  # newest round this daemon knows of (for log context)
@@ -141,13 +148,17 @@ class Daemon:
         if s.metrics_port:
             metrics.serve(s.metrics_host, s.metrics_port)
         health = HealthService(s.health_host, s.health_port) if s.health_port else None
-        return cls(config, EtcdClient(config.etcd), metrics=metrics, notifier=SystemdNotifier(), health=health)
+        hook = QuarantineHook(s.on_quarantine, s.job, s.hook_timeout,
+                              on_done=lambda outcome: metrics.hook_runs.labels(outcome).inc())
+        return cls(config, EtcdClient(config.etcd), metrics=metrics, notifier=SystemdNotifier(), health=health,
+                   hook=hook)
 
     def close(self) -> None:
         """Stop serving health checks and close the etcd client (after :meth:`run` returned)."""
         if self.health is not None:
             self.health.stop()
         self.notifier.close()
+        self.hook.close()
         self.client.close()
 
     @property
@@ -222,6 +233,7 @@ class Daemon:
                     if batch:
                         events = term.feed.convert(batch)
                         self._note_faults(term, events, arrived)
+                        self._observe(term, events)
                         self.metrics.events.inc(len(events))
                         decisions = term.machine.handle_batch(events, now)
                     else:
@@ -257,6 +269,10 @@ class Daemon:
         for f in snap.faults:
             machine.restore_node(f.node_id, [wall - t for t in f.fault_times], f.quarantined)
         term = _Term(leadership, lease, machine, feed, snap.round_revision, snap.round_value, revision + 1)
+        status_kv = next((kv for kv in kvs if kv.key == self.keys.status), None)
+        carried = codec.decode_goodput(status_kv.value) if status_kv is not None else None
+        if carried is not None:
+            term.goodput.resume(carried.productive_seconds, carried.elapsed_seconds, carried.step, wall)
         term.ckpt_steps = sorted(p.step for p in map(self.keys.parse, (kv.key for kv in kvs))
                                  if p is not None and p.kind is Kind.CKPT)
         term.compact_mark = (now, revision)
@@ -313,6 +329,8 @@ class Daemon:
                 self._write_round(term, codec.encode_round(d, term.feed.agent_addresses,
                                                            self.settings.daemon_id, self._wall()), d.number)
                 term.feed.members = frozenset(m.node_id for m in d.members)
+                term.goodput.round_opened(self._wall())
+                self._note_world(term, sum(m.devices for m in d.members))
                 term.feed.round_number = d.number
                 term.feed.forget_old_rounds()
                 term.stragglers.reset(term.feed.members)
@@ -326,6 +344,7 @@ class Daemon:
                 value = codec.encode_closed(term.round_value, d, self.settings.daemon_id, self._wall())
                 self._write_round(term, value, d.number)
                 term.feed.members = frozenset()
+                self._note_world(term, 0)
                 term.stragglers.reset(())
                 self._set_world(None)
                 self._decided(term, "close", d.number)
@@ -368,10 +387,12 @@ class Daemon:
             return
         reason = term.pending_status
         value = codec.encode_status(reason, self.round_number, self.settings.daemon_id, self._wall(),
-                                    self._straggler_records(term))
+                                    self._straggler_records(term), self._goodput_record(term))
         self._guarded(term, [], [Put(self.keys.status, value)], [], "status_txn")
+        changed = reason != term.last_status
         term.pending_status, term.status_written_at, term.last_status = None, now, reason
-        if reason:
+        term.goodput.new_costs = 0
+        if reason and changed:
             log.info("status: %s", reason, extra={"round": self.round_number})
         self.notifier.status(f"leader: {reason}" if reason else f"leader: round {self.round_number} open")
 
@@ -383,12 +404,16 @@ class Daemon:
         changed, st.fault_changes = sorted(st.fault_changes), set()
         wall = self._wall()
         ops: list[Op] = []
+        newly: list[tuple[str, str]] = []
         for node_id in changed:
             rec = st.nodes.get(node_id)
             if rec is None:
                 continue
             quarantined = rec.state is NodeState.QUARANTINED
             key = self.keys.faults(node_id)
+            if quarantined and node_id not in term.feed.quarantined:
+                newly.append((node_id, f"stalwart job {self.settings.job}: quarantined after {len(rec.faults)} "
+                                       f"faults within {self.config.policy.quarantine_window:g}s"))
             if quarantined:
                 term.feed.quarantined.add(node_id)
             else:
@@ -403,6 +428,55 @@ class Daemon:
                             extra={"round": self.round_number, "node": node_id})
         for i in range(0, len(ops), _TXN_OPS):
             self._guarded(term, [], ops[i:i + _TXN_OPS], [], "faults_txn")
+        for node_id, reason in newly:  # persisted first: the scheduler never drains a node etcd does not hold
+            self.metrics.quarantines.inc()
+            self.hook.quarantined(node_id, reason)
+
+    # --- goodput --------------------------------------------------------------------------------
+
+    def _observe(self, term: _Term, events: list[Event]) -> None:
+        """Feed the goodput tracker and the job-level metrics (wall time: it is carried to the next
+        leader and shown to people)."""
+        wall, g = self._wall(), term.goodput
+        for ev in events:
+            kind = fault_kind(ev, term.feed.members)
+            if kind is not None:
+                self.metrics.member_faults.labels(kind).inc()
+                g.fault(getattr(ev, "node_id", ""), kind, wall)
+            elif isinstance(ev, ProgressReport) and ev.node_id in term.feed.members:
+                before = g.step
+                g.progress(ev.step, wall)
+                if g.step > before:
+                    self.metrics.progress_time.set(wall)
+            elif isinstance(ev, CheckpointCommitted):
+                self.metrics.ckpt_step.set(ev.step)
+                self.metrics.ckpt_time.set(wall)
+        for f in g.faults:
+            if f.cost is not None and not f.observed:
+                self.metrics.fault_cost.observe(f.cost)
+                f.observed = True
+        summary = g.summary(wall)
+        self.metrics.productive.set(summary.productive)
+        self.metrics.elapsed.set(summary.elapsed)
+        if summary.ratio is not None:
+            self.metrics.goodput.set(summary.ratio)
+        self.metrics.job_step.set(max(summary.step, 0))
+        if summary.step_time is not None:
+            self.metrics.step_time.set(summary.step_time)
+        due = self._clock() - term.status_written_at >= GOODPUT_INTERVAL or g.new_costs
+        if due and term.pending_status is None and g.started_at is not None:
+            term.pending_status = term.last_status  # rewrite the status record with the new totals
+
+    def _goodput_record(self, term: _Term) -> records_pb2.JobGoodput:
+        s = term.goodput.summary(self._wall())
+        return records_pb2.JobGoodput(
+            productive_seconds=s.productive, elapsed_seconds=s.elapsed, step=s.step, step_time=s.step_time or 0.0,
+            faults=[records_pb2.FaultCostRecord(node_id=f.node, kind=f.kind, at=f.at, step=f.step,
+                                                cost=f.cost or 0.0, known=f.cost is not None) for f in s.faults])
+
+    def _note_world(self, term: _Term, workers: int) -> None:
+        term.peak_workers = max(term.peak_workers, workers)
+        self.metrics.lost_throughput.set(1.0 - workers / term.peak_workers if term.peak_workers else 0.0)
 
     # --- stragglers -----------------------------------------------------------------------------
 

@@ -58,6 +58,37 @@ class Metrics:
         self.compacted = Gauge("stalwart_daemon_compacted_revision", "etcd revision this daemon last compacted to",
                                registry=r)
         self.terms = Counter("stalwart_daemon_terms", "times this daemon became leader", registry=r)
+        # the job's goodput and what its faults cost (daemon/goodput.py), as the leader sees them
+        self.goodput = Gauge("stalwart_daemon_goodput_ratio", "productive training time over elapsed time since "
+                             "the job's first round (steps trained again after a rollback are badput)", registry=r)
+        self.productive = Gauge("stalwart_daemon_productive_seconds", "the job's useful steps at its typical step time",
+                                registry=r)
+        self.elapsed = Gauge("stalwart_daemon_elapsed_seconds", "seconds since the job's first round opened",
+                             registry=r)
+        self.job_step = Gauge("stalwart_daemon_job_step", "newest training step any member reported", registry=r)
+        self.step_time = Gauge("stalwart_daemon_step_seconds", "typical seconds per step (median of recent reports)",
+                               registry=r)
+        self.progress_time = Gauge("stalwart_daemon_last_progress_timestamp_seconds",
+                                   "unix time the job's newest step last advanced", registry=r)
+        self.ckpt_step = Gauge("stalwart_daemon_committed_step", "step of the newest committed checkpoint",
+                               registry=r)
+        self.ckpt_time = Gauge("stalwart_daemon_last_checkpoint_timestamp_seconds",
+                               "unix time the newest checkpoint's commit was seen (time() minus this: its age)",
+                               registry=r)
+        self.member_faults = Counter("stalwart_daemon_member_faults", "faults of round members, by kind (lease-lost, "
+                                     "unhealthy, worker-failed; left and drained are planned)", ["kind"], registry=r)
+        self.fault_cost = Histogram("stalwart_daemon_fault_cost_seconds", "training time one member fault cost the "
+                                    "job (until it passed its step again)", buckets=_RECOVERY_BUCKETS, registry=r)
+        self.quarantines = Counter("stalwart_daemon_quarantines", "nodes this leader quarantined", registry=r)
+        self.hook_runs = Counter("stalwart_daemon_hook_runs", "on_quarantine command runs, by outcome (ok, failed, "
+                                 "timeout)", ["outcome"], registry=r)
+        self.lost_throughput = Gauge("stalwart_daemon_lost_throughput_ratio", "1 - workers in the current round / "
+                                     "most workers of any round of this leader (throughput lost to a smaller world)",
+                                     registry=r)
+        for kind in ("lease-lost", "unhealthy", "worker-failed", "left", "drained"):
+            self.member_faults.labels(kind)
+        for outcome in ("ok", "failed", "timeout"):
+            self.hook_runs.labels(outcome)
         self.straggler = Gauge("stalwart_daemon_straggler", "1 while the node is a straggler (busy time per step "
                                "over straggler_factor x the others' median)", ["node"], registry=r)
         self.busy = Gauge("stalwart_daemon_straggler_busy_seconds",

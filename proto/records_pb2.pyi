@@ -211,18 +211,50 @@ class FaultRecord(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., fault_times: _Optional[_Iterable[float]] = ..., quarantined: _Optional[bool] = ..., reason: _Optional[str] = ..., written_by: _Optional[str] = ...) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("reason", "round", "daemon_id", "at", "stragglers")
+    __slots__ = ("reason", "round", "daemon_id", "at", "stragglers", "goodput")
     REASON_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
     reason: str
     round: int
     daemon_id: str
     at: float
     stragglers: _containers.RepeatedCompositeFieldContainer[Straggler]
-    def __init__(self, reason: _Optional[str] = ..., round: _Optional[int] = ..., daemon_id: _Optional[str] = ..., at: _Optional[float] = ..., stragglers: _Optional[_Iterable[_Union[Straggler, _Mapping]]] = ...) -> None: ...
+    goodput: JobGoodput
+    def __init__(self, reason: _Optional[str] = ..., round: _Optional[int] = ..., daemon_id: _Optional[str] = ..., at: _Optional[float] = ..., stragglers: _Optional[_Iterable[_Union[Straggler, _Mapping]]] = ..., goodput: _Optional[_Union[JobGoodput, _Mapping]] = ...) -> None: ...
+
+class JobGoodput(_message.Message):
+    __slots__ = ("productive_seconds", "elapsed_seconds", "step", "step_time", "faults")
+    PRODUCTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
+    productive_seconds: float
+    elapsed_seconds: float
+    step: int
+    step_time: float
+    faults: _containers.RepeatedCompositeFieldContainer[FaultCostRecord]
+    def __init__(self, productive_seconds: _Optional[float] = ..., elapsed_seconds: _Optional[float] = ..., step: _Optional[int] = ..., step_time: _Optional[float] = ..., faults: _Optional[_Iterable[_Union[FaultCostRecord, _Mapping]]] = ...) -> None: ...
+
+class FaultCostRecord(_message.Message):
+    __slots__ = ("node_id", "kind", "at", "step", "cost", "known")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    kind: str
+    at: float
+    step: int
+    cost: float
+    known: bool
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., at: _Optional[float] = ..., step: _Optional[int] = ..., cost: _Optional[float] = ..., known: _Optional[bool] = ...) -> None: ...
 
 class Straggler(_message.Message):
     __slots__ = ("node_id", "busy_time", "others_median", "consecutive", "excluded", "since_step")
