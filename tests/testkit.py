@@ -86,3 +86,31 @@ def kill_tree(pid: int) -> None:
     from stalwart.chaos.cluster import kill_tree as kill
 
     kill(pid)
+
+
+def stalwart_in_process(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``stalwart ARGV...`` run by its ``main`` in this process, as a finished subprocess would
+    report it: exit status, stdout and stderr (a usage error from argparse is exit status 2).
+
+    Saves each CLI test a fresh interpreter that imports torch; the root logger ``main`` sets up
+    is put back afterwards. A test or two per command still run the real ``stalwart`` command.
+    """
+    import contextlib
+    import io
+    import logging
+
+    from stalwart.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as exc:  # argparse: --help, usage errors
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return subprocess.CompletedProcess(["stalwart", *argv], code, out.getvalue(), err.getvalue())

@@ -1,4 +1,5 @@
-"""``stalwart ckpt`` run as a real subprocess."""
+"""``stalwart ckpt``: the real command once, then its ``main`` in this process (same exit status,
+stdout and stderr, without an interpreter that imports torch for each call)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ import torch
 
 from stalwart.ckpt import Checkpointer, RetentionPolicy, SaveConfig
 from stalwart.ckpt.format import step_dir_name
+from testkit import stalwart_in_process
 
 STALWART = os.path.join(os.path.dirname(sys.executable), "stalwart")
 
 
-def _run(*args):
+def _subprocess(*args):
     return subprocess.run([STALWART, "ckpt", *args], capture_output=True, text=True, timeout=120)
+
+
+def _run(*args):
+    return stalwart_in_process("ckpt", *args)
 
 
 def _populate(root):
@@ -33,8 +39,8 @@ def test_list_verify_inspect_gc(tmp_path):
     root = str(tmp_path)
     _populate(root)
 
-    listed = _run("list", root, "--json")
-    assert listed.returncode == 0
+    listed = _subprocess("list", root, "--json")  # the installed command, end to end
+    assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)
     assert [(r["step"], r["state"], r["verified"]) for r in rows] == [
         (100, "committed", False), (200, "committed", False), (300, "committed", False), (400, "unfinished", False)

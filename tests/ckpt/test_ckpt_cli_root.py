@@ -15,14 +15,20 @@ import torch
 import stalwart.ckpt as ckpt
 from stalwart.ckpt import Checkpointer, RetentionPolicy, SaveConfig, read_manifest
 from stalwart.ckpt.format import VERIFIED_NAME, step_dir_name
+from testkit import stalwart_in_process
 
 STALWART = os.path.join(os.path.dirname(sys.executable), "stalwart")
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ACTIONS = [["list"], ["verify"], ["inspect", "", "1"], ["gc", "", "--keep-last", "1"]]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+def _subprocess(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([STALWART, "ckpt", *args], capture_output=True, text=True, timeout=120)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command's ``main`` in this process: the same exit status, stdout and stderr."""
+    return stalwart_in_process("ckpt", *args)
 
 
 def _argv(action: list[str], root: str) -> list[str]:
@@ -72,7 +78,14 @@ def test_a_step_directory_as_root_gets_a_hint(tmp_path, action):
 
 def test_not_found_is_exit_3_with_one_line(tmp_path):
     root = str(tmp_path)
-    for args in (["list", root], ["verify", root], ["inspect", root, "5"], ["verify", root, "5"]):
+    # the installed command once: nothing else (an import's warning, a traceback) reaches stderr,
+    # and its main in this process says the same
+    real = _subprocess("list", root)
+    assert real.returncode == 3
+    _one_error_line(real)
+    in_process = _run("list", root)
+    assert (in_process.returncode, in_process.stdout, in_process.stderr) == (3, real.stdout, real.stderr)
+    for args in (["verify", root], ["inspect", root, "5"], ["verify", root, "5"]):
         done = _run(*args)
         assert done.returncode == 3, args
         _one_error_line(done)
