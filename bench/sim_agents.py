@@ -139,11 +139,17 @@ class SimNodes:
             return
         ttls = self.client.keepalive_many([lease for _, lease in part], timeout=self.ttl)
         now = time.time()
+        lost = []
         with self.lock:
             self.counts["keepalives"] += len(part)
             for node, lease in part:
                 if ttls.get(lease, 0) > 0:
                     self.last_ack[node] = now
+                elif self.leases.get(node) == lease:  # expired under us (a loaded machine)
+                    lost.append(node)
+            self.counts["relost"] = self.counts.get("relost", 0) + len(lost)
+        if lost:  # as an agent does: it registers again with a new lease
+            self.register(lost)
 
     def _progress(self, which: int) -> None:
         from stalwart.proto import records_pb2
@@ -255,8 +261,8 @@ class Fleet:
 
     def stats(self) -> dict[str, Any]:
         parts = self._each("stats", None)
-        out: dict[str, Any] = {k: sum(p[k] for p in parts) for k in ("puts", "keepalives", "errors", "live",
-                                                                      "rss", "fds")}
+        out: dict[str, Any] = {k: sum(p.get(k, 0) for p in parts)
+                               for k in ("puts", "keepalives", "errors", "live", "rss", "fds", "relost")}
         out["rss_max"] = max(p["rss"] for p in parts)
         out["fds_max"] = max(p["fds"] for p in parts)
         return out
