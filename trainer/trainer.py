@@ -81,6 +81,7 @@ from stalwart.ckpt import (
 from stalwart.proto.contract import ENV_ROUND, ENV_SPARE
 from stalwart.trainer.agent_client import AgentClient
 from stalwart.trainer.batching import DataPosition, GlobalBatchSampler, StepBatch, accumulation_steps
+from stalwart.trainer.client_state import ClientStates
 from stalwart.trainer.errors import (
     IncompatibleCheckpoint,
     ReformFailed,
@@ -262,8 +263,12 @@ class _EngineRecipe:
         if "model_parameters" in kwargs and kwargs["model_parameters"] is not None:
             kwargs["model_parameters"] = list(kwargs["model_parameters"])
         sched = kwargs.get("lr_scheduler")
-        if sched is not None and not callable(sched):
-            unsupported = "an lr_scheduler instance is bound to the first optimizer: pass a callable(optimizer)"
+        if sched is not None and not callable(sched) and (recipe is None or getattr(sched, "optimizer", None)
+                                                          is not optimizer):
+            # An instance is re-pointed at each optimizer built from the recipe (see build); one
+            # that drives anything else cannot follow the engine to another world.
+            unsupported = ("an lr_scheduler instance must drive the torch optimizer instance passed with it "
+                           "(or pass a callable(optimizer))")
         return cls(model, copy.deepcopy(ds_config), kwargs, recipe, unsupported)
 
     def build(self, config: TrainerConfig, world: int) -> Any:
@@ -278,6 +283,11 @@ class _EngineRecipe:
         kwargs = dict(self.ds_kwargs)
         if self.optimizer is not None:
             kwargs["optimizer"] = self.optimizer.build(self.model)
+            sched = kwargs.get("lr_scheduler")
+            if sched is not None and not callable(sched):
+                # The scheduler instance drives the optimizer built here (its state, like the
+                # optimizer's, comes from the checkpoint restored next).
+                sched.optimizer = kwargs["optimizer"]
         engine, *_ = deepspeed.initialize(model=self.model, config=ds_config, **kwargs)
         return engine
 
@@ -345,6 +355,7 @@ class Trainer:
         self._last_step_time = 0.0
         self._first_step_pending: ReformTimings | None = None
         self._restore_bytes = (0, 0)
+        self.client_state = ClientStates()  # see register_state
         self._attach(engine)
         restored = self._restore(required=_required)
         assert restored is not None
@@ -905,11 +916,19 @@ class Trainer:
             self._injected.setdefault(int(step), []).append((kind, float(factor)))
         log.warning("rank %d: fault %s (factor %g) armed for step %d", self.rank, kind, factor, step)
 
+    def register_state(self, name: str, obj: Any = None, *, save: Callable[[], Any] | None = None,
+                       load: Callable[[Any], None] | None = None) -> None:
+        """Save and restore user state (an EMA, a data mixer) with the checkpoints: ``obj`` with
+        ``state_dict()``/``load_state_dict()``, or ``save``/``load`` callables. The same on every
+        rank; restored at once if the checkpoint restored has it. See ``client_state.py``."""
+        self.client_state.register(name, obj, save=save, load=load)
+
     def save(self) -> SaveHandle:
         """Checkpoint the current step asynchronously (returns after the snapshot). Collective."""
         self.state.ensure_optimizer_state()
-        meta = {"trainer": self._trainer_meta(), "rng": _rng_state()}
-        handle = self.checkpointer.save(self.step, self.state.save_tensors(), meta)
+        client_tensors, client_meta = self.client_state.snapshot()
+        meta = {"trainer": self._trainer_meta(), "rng": _rng_state(), "client": client_meta}
+        handle = self.checkpointer.save(self.step, {**self.state.save_tensors(), **client_tensors}, meta)
         self._pending.append(handle)
         self._last_saved = self.step
         self._last_save_time = time.monotonic()
@@ -1142,6 +1161,8 @@ class Trainer:
         meta = result.metadata[0]["trainer"]
         self._check_data(meta, result.step)
         self.state.apply_metadata(meta["zero"])
+        self.client_state.restore(root, result.step, result.metadata[0].get("client"), self._coord,
+                                  self.config.commit_timeout_s)
         saved_world = result.world_size
         if self.rank < saved_world:
             _set_rng_state(result.metadata[self.rank]["rng"])
