@@ -10,10 +10,20 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from stalwart.cli import agent_cmd, chaos_cmd, ckpt_cmd, cordon_cmd, daemon_cmd, logs, status_cmd, version_cmd
+from stalwart.cli import (
+    agent_cmd,
+    chaos_cmd,
+    ckpt_cmd,
+    cordon_cmd,
+    daemon_cmd,
+    logs,
+    slurm_cmd,
+    status_cmd,
+    version_cmd,
+)
 
 # Subcommand modules, each with ``register(subparsers) -> None``. Later features append here.
-_COMMANDS = [version_cmd, chaos_cmd, ckpt_cmd, agent_cmd, daemon_cmd, status_cmd, cordon_cmd]
+_COMMANDS = [version_cmd, chaos_cmd, ckpt_cmd, agent_cmd, daemon_cmd, status_cmd, cordon_cmd, slurm_cmd]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,86 @@
+"""A stalwart job through the real ``sbatch`` (deploy/slurm/): one agent per node via srun, two
+daemons started by the job, a worker killed mid-run, training still reaching its last step, and
+the node stalwart quarantined for it drained in Slurm with the reason."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.local import LocalEtcd, free_port
+from stalwart.daemon.status import read_status
+from testkit import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = REPO / "deploy" / "slurm" / "stalwart-launch.sh"
+WORKER = Path(__file__).resolve().parent / "train_worker.py"
+STALWART = str(Path(sys.executable).with_name("stalwart"))
+LAST = 150
+
+
+def _job_state(slurm: Any, job_id: str) -> str:
+    out = slurm.run("scontrol", "show", "job", job_id, check=False).stdout
+    for field in out.split():
+        if field.startswith("JobState="):
+            return field.split("=", 1)[1]
+    return "UNKNOWN"
+
+
+def _committed(client: EtcdClient, job: str) -> int:
+    ck = read_status(client, job).checkpoint
+    return int(ck["step"]) if ck else -1  # type: ignore[call-overload]
+
+
+def test_a_job_survives_a_worker_kill_and_its_quarantined_node_is_drained(
+        slurm: Any, etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path) -> None:
+    job = f"slurm-test-{os.getpid()}"
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {**slurm.env,
+           "STALWART": STALWART, "STALWART_JOB": job, "STALWART_ETCD": ",".join(etcd_server.endpoints),
+           "STALWART_COMMAND": f"exec {sys.executable} {WORKER}", "STALWART_LAST_STEP": str(LAST),
+           "STALWART_MIN_NODES": "2", "STALWART_FORM_TIMEOUT": "120", "STALWART_LISTEN": "127.0.0.1:0",
+           "STALWART_STATE_DIR": str(tmp_path / "state"),
+           "STALWART_AGENT_EXTRA": 'probe = "fake"\nlease_ttl = 2\nstop_grace = 2.0\nreform_in_place = false',
+           "STALWART_POLICY_EXTRA": f"quarantine_faults = 1\njoin_timeout = 30.0\nmaster_port = {free_port()}",
+           "LAST": str(LAST), "PIDS": str(pids), "WORK": "0.05", "CKPT_EVERY": "5"}
+    out = tmp_path / "job.out"
+    submitted = subprocess.run(["sbatch", "--parsable", "-N", "3", "--ntasks-per-node=1", f"--output={out}",
+                                "--chdir", str(tmp_path), str(LAUNCH)], env=env, capture_output=True, text=True,
+                               timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        # training runs on all three nodes; then n3's worker is killed
+        wait_for(lambda: _committed(etcd_client, job) >= 20, 120, "training to step 20", tmp_path / "state")
+        victim = int((pids / "n3.pid").read_text())
+        os.kill(victim, signal.SIGKILL)
+
+        # the job ends by itself, successfully, once the last step's checkpoint commits
+        wait_for(lambda: _job_state(slurm, job_id) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
+                 240, "the Slurm job to end", tmp_path / "state")
+        text = out.read_text()
+        assert _job_state(slurm, job_id) == "COMPLETED", text
+        assert f"training reached step {LAST}" in text
+        assert _committed(etcd_client, job) == LAST
+
+        # the worker's node was quarantined by stalwart, and drained in Slurm with the reason
+        node = slurm.node("n3")
+        assert "DRAIN" in node, node
+        reason = next(line.strip() for line in node.splitlines() if line.strip().startswith("Reason="))
+        assert f"stalwart job {job}: quarantined" in reason, node
+        for other in ("n1", "n2"):
+            assert "DRAIN" not in slurm.node(other)
+        print(f"n3: {reason}")
+    finally:
+        slurm.run("scancel", job_id, check=False)
+        slurm.run("scontrol", "update", "nodename=n3", "state=resume", check=False)
+        deadline = time.monotonic() + 30
+        while _job_state(slurm, job_id) in ("RUNNING", "COMPLETING") and time.monotonic() < deadline:
+            time.sleep(0.5)
