@@ -64,18 +64,30 @@ def test_install_wraps_torch_distributed_and_uninstall_restores() -> None:
     assert dist.all_reduce is original and distributed_c10d.all_reduce is original
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_zero_collectives_are_seen(tmp_path: Path, stage: int) -> None:
+STAGES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One torchrun world of 2 that runs a ZeRO-1, a ZeRO-2 and a ZeRO-3 engine in turn (the timer
+    uninstalled before each ``deepspeed.initialize`` and installed after it)."""
+    out = tmp_path_factory.mktemp("zero-collectives")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))}
     env.pop("STALWART_AGENT_SOCKET", None)
     steps = 8
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", CHILD,
-           str(tmp_path), str(stage), str(steps)]
-    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=500)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+           str(out), ",".join(map(str, STAGES)), str(steps)]
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", STAGES)
+def test_deepspeed_zero_collectives_are_seen(zero_runs: Path, stage: int) -> None:
+    ranks = [json.loads((zero_runs / f"rank-{r}-stage-{stage}.json").read_text()) for r in (0, 1)]
+    assert [r["stage"] for r in ranks] == [stage, stage]
     print(stage, ranks[0]["by_name"])
     names = set(ranks[0]["by_name"])
     # ZeRO's gradient reduction and parameter all-gather both go through the wrapped functions
