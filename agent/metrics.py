@@ -17,6 +17,9 @@ class AgentMetrics:
                                registry=self.registry)
         self.step_seconds = Gauge("stalwart_agent_step_seconds", "Duration of the last step, per worker",
                                   ["node", "rank"], registry=self.registry)
+        self.step_time = Gauge("stalwart_agent_last_step_timestamp_seconds", "Unix time of the last step completed, "
+                               "per worker (time() minus this, over step seconds: steps overdue)", ["node", "rank"],
+                               registry=self.registry)
         self.stalls = Counter("stalwart_agent_stalls", "Workers declared stalled", ["node"], registry=self.registry)
         self.faults = Counter("stalwart_agent_faults", "Faults seen, by kind (worker exits, GPU findings, injected)",
                               ["node", "kind"], registry=self.registry)
@@ -47,6 +50,8 @@ class AgentMetrics:
         for state in ("ready", "starting"):
             self.spares.labels(node, state).set(0)
         self.spare_assignments.labels(**labels)
+        for kind in ("worker-signal", "worker-user-error", "worker-oom-killed"):
+            self.faults.labels(node, kind)  # the common kinds, zero from the start (alerts need a series)
         for counter in (self.stalls, self.restarts):
             counter.labels(**labels)  # export zero from the start
 
@@ -55,6 +60,7 @@ class AgentMetrics:
         self.steps.labels(self._node, r).inc()
         self.last_step.labels(self._node, r).set(step)
         self.step_seconds.labels(self._node, r).set(step_time)
+        self.step_time.labels(self._node, r).set_to_current_time()
 
     def set_findings(self, findings: list[tuple[str, str]]) -> None:
         self.findings.clear()
