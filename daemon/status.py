@@ -193,6 +193,7 @@ def format_table(st: JobStatus, now: float | None = None) -> str:
     rate = st.step_rate()
     if rate is not None:
         lines.append(f"step rate: {rate:.3g} steps/s (median of the members' step times)")
+    lines += goodput_lines((st.status or {}).get("goodput"), now)  # type: ignore[arg-type]
     if st.status and st.status["reason"]:
         said = f"daemon {st.status['daemon_id']} said {age(st.status['at'], now)}"
         lines.append(f"daemon: {st.status['reason']} ({said})" if leader else
@@ -225,6 +226,37 @@ def format_table(st: JobStatus, now: float | None = None) -> str:
     for problem in st.unreadable:
         lines.append(f"unreadable: {problem}")
     return "\n".join(lines)
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``12m05s``, ``3h20m``."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
+    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+
+
+def goodput_lines(g: dict[str, object] | None, now: float) -> list[str]:
+    """The job's goodput so far and its recent faults with what each cost (from the leader)."""
+    if not g:
+        return []
+    ratio, step_time = g.get("ratio"), g.get("step_time")
+    head = "goodput: " + (f"{ratio:.1%}" if isinstance(ratio, float) else "-")
+    head += (f" (productive {duration(float(g['productive_seconds']))} of "  # type: ignore[arg-type]
+             f"{duration(float(g['elapsed_seconds']))})")  # type: ignore[arg-type]
+    if int(g["step"]) >= 0:  # type: ignore[call-overload]
+        head += f", job step {g['step']}"
+    if isinstance(step_time, float):
+        head += f", {step_time:.3g} s/step"
+    lines = [head]
+    faults = list(g.get("faults") or [])  # type: ignore[call-overload]
+    for f in reversed(faults[-5:]):
+        cost = f["cost"]
+        lines.append(f"  fault: {f['node']} {f['kind']} {age(f['at'], now)} at step {f['step']}: "
+                     + (f"cost {duration(cost)}" if cost is not None else "training not past it yet"))
+    return lines
 
 
 def set_hold(client: EtcdClient, job: str, node: str, hold: Hold, reason: str = "") -> None:

@@ -68,6 +68,10 @@ def test_a_quarantined_node_is_handed_to_the_scheduler_once(etcd_server: LocalEt
         goodput = wait_for(shown_goodput, 20, "the goodput in the status record", tmp_path)
         assert [(f["node"], f["kind"]) for f in goodput["faults"]] == [("b", "lease-lost")]
         assert goodput["faults"][0]["cost"] is not None
+        # and at a glance, for a person at a terminal
+        assert cli(["status", "--endpoints", ",".join(etcd_server.endpoints), "--job", job]) == 0
+        text = capsys.readouterr().out  # type: ignore[attr-defined]
+        assert "goodput: " in text and "job step 9" in text and "fault: b lease-lost" in text and "cost " in text
         agents["b"].register()  # quarantined: it stays out, and the command does not run again
         assert out.read_text().count("\n") == 1
     finally:
