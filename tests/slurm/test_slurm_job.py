@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "deploy" / "slurm" / "stalwart-launch.sh"
 WORKER = Path(__file__).resolve().parent / "train_worker.py"
 STALWART = str(Path(sys.executable).with_name("stalwart"))
-LAST = 150
+LAST = 80
 
 
 def _job_state(slurm: Any, job_id: str) -> str:
@@ -58,7 +58,7 @@ def test_a_job_survives_a_worker_kill_and_its_quarantined_node_is_drained(
     job_id = submitted.stdout.strip().split(";")[0]
     try:
         # training runs on all three nodes; then n3's worker is killed
-        wait_for(lambda: _committed(etcd_client, job) >= 20, 120, "training to step 20", tmp_path / "state")
+        wait_for(lambda: _committed(etcd_client, job) >= 15, 120, "training to step 15", tmp_path / "state")
         victim = int((pids / "n3.pid").read_text())
         os.kill(victim, signal.SIGKILL)
 
