@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import signal
 import socket
@@ -33,11 +34,24 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 
 import grpc
 import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from stalwart.agent.adopt import (
+    AdoptedProcess,
+    AgentState,
+    StateFileError,
+    WorkerEntry,
+    alive_and_same,
+    clear_state,
+    load_state,
+    process_start_time,
+    save_state,
+    state_path,
+)
 from stalwart.agent.config import AgentConfig
 from stalwart.agent.core import (
     JoinFacts,
@@ -66,7 +80,7 @@ from stalwart.agent.stragglers import slower_than_others
 from stalwart.agent.throttle import Throttle, ThrottleSpec
 from stalwart.agent.workers import ExitKind, RoundAssignment, Worker, WorkerExit, WorkerGroup, start_spare, stop_workers
 from stalwart.coord.client import EtcdClient
-from stalwart.coord.errors import CoordError, EtcdUnavailable
+from stalwart.coord.errors import CoordError, EtcdUnavailable, LeaseLost
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.lease import Lease
 from stalwart.coord.txn import Put
@@ -153,6 +167,12 @@ class NodeAgent:
         self._step_clock: dict[int, tuple[float, str]] = {}
         self.spare_pool = SparePool(config.spares if config.reform_in_place else 0, self._start_spare,
                                     node=config.node_id)
+        self._state_file = state_path(config.state_dir)
+        self._saved_state = b""
+        self._start_times: dict[int, int] = {}  # pid -> kernel start time, for the state file
+        self._handing_off = False  # stopping for a successor: the workers and the lease stay
+        self._lost_while_away: list[WorkerExit] = []  # adopted round's workers that died meanwhile
+        self._unrecorded: dict[int, records_pb2.CheckpointRecord] = {}  # commits etcd has not taken yet
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -185,7 +205,10 @@ class NodeAgent:
             except Exception:  # a malformed round is reported when it is applied
                 pass
             self._update_readiness()
-        self._register()
+        self._register(resume=self._adopt())
+        self._save_state()
+        for exit_ in self._lost_while_away:
+            self._worker_exited(exit_)
         self._watch = self._read_and_watch_round()
         threading.Thread(target=self._follow_rounds, daemon=True, name="agent-rounds").start()
         threading.Thread(target=self._monitor, daemon=True, name="agent-monitor").start()
@@ -209,8 +232,19 @@ class NodeAgent:
                 cancel.wait(1.0)
         return False
 
-    def _register(self) -> None:
-        lease = Lease(self.client, self.config.lease_ttl, on_lost=lambda why: self._commands.put(("lease-lost", why)))
+    def _register(self, resume: int | None = None) -> None:
+        on_lost = lambda why: self._commands.put(("lease-lost", why))  # noqa: E731
+        lease: Lease | None = None
+        if resume is not None:
+            try:
+                lease = Lease(self.client, self.config.lease_ttl, on_lost=on_lost, resume=resume)
+                log.info("agent %s: carrying on lease %x of the agent before", self.config.node_id, resume,
+                         extra={"node": self.config.node_id})
+            except LeaseLost:
+                log.info("agent %s: the lease of the agent before has expired; registering anew",
+                         self.config.node_id, extra={"node": self.config.node_id})
+        if lease is None:
+            lease = Lease(self.client, self.config.lease_ttl, on_lost=on_lost)
         record = records_pb2.NodeRecord(
             node_id=self.config.node_id, address=self.address, devices=self.config.workers,
             hostname=socket.gethostname(), registered_at=time.time(), cordoned=self._state.draining,
@@ -232,6 +266,7 @@ class NodeAgent:
                 self._maintain_spares()
                 kind, payload = self._commands.get(timeout=0.5)
             except queue.Empty:
+                self._save_state_safe()  # exits come on their own threads
                 continue
             except Exception:
                 log.exception("agent %s: cannot start a spare", self.config.node_id)
@@ -242,7 +277,14 @@ class NodeAgent:
                     self._apply_round(payload)  # type: ignore[arg-type]
                 elif kind == "lease-lost":
                     log.error("agent %s: lease lost (%s); registering again", self.config.node_id, payload)
-                    self._register()
+                    try:
+                        self._register()
+                    except CoordError:
+                        # etcd has no quorum yet: try again, the workers train on meanwhile
+                        retry = threading.Timer(1.0, self._commands.put, args=(("lease-lost", payload),))
+                        retry.daemon = True
+                        retry.start()
+                        raise
                 elif kind == "stop-workers":
                     self._stop_workers(str(payload), wait=True)
                     if self._state.draining:
@@ -256,9 +298,120 @@ class NodeAgent:
                 log.error("agent %s: etcd: %s", self.config.node_id, exc)
             except Exception:
                 log.exception("agent %s: main loop error", self.config.node_id)
-        self._stop_workers("agent shutting down", wait=True)
+            finally:
+                self._save_state_safe()
         self.spare_pool.paused = True
+        if self._handing_off:
+            self._save_state_safe()
+            log.info("agent %s: handing off: %d worker(s) train on for the next agent to adopt", self.config.node_id,
+                     len(self._state.group.workers) if self._state.group else 0, extra={"node": self.config.node_id})
+            self.spare_pool.stop_all(0.0)
+            return
+        self._stop_workers("agent shutting down", wait=True)
         self.spare_pool.stop_all(self.config.stop_grace)
+        clear_state(self._state_file)
+
+    def handoff(self) -> None:
+        """Stop for a successor (``systemctl restart``, an upgrade): unlike :meth:`shutdown`, the
+        workers train on and the lease and registration stay, so the next agent adopts them and
+        the job does not notice. A successor that does not come in time loses the lease, and the
+        workers stop themselves once their agent is gone for good (``STALWART_ORPHAN_TIMEOUT``)."""
+        self._handing_off = True
+        self._health_service.enter_graceful_shutdown()
+        self._stop.set()
+        if self._watch:
+            self._watch.close()
+        for server in self._servers:
+            server.stop(grace=0.5)
+        if self._lease:
+            self._lease.stop()
+        self.probe.close()
+
+    # -- adoption of the workers of the agent before (a crash or a restart) ---------------------
+
+    def _adopt(self) -> int | None:
+        """Take over what the agent before left: its live workers of the round they train in, and
+        its lease id (returned; None without a state file). Workers that died while no agent
+        watched are reported as failed once registered (``_lost_while_away``)."""
+        node = self.config.node_id
+        try:
+            saved = load_state(self._state_file, self.config.job, node)
+        except (StateFileError, OSError) as exc:
+            log.warning("agent %s: ignoring the state file %s: %s", node, self._state_file, exc,
+                        extra={"node": node})
+            return None
+        if saved is None:
+            return None
+        self._state.restarts = saved.restarts
+        live = [e for e in saved.workers if alive_and_same(e)]
+        record = records_pb2.RoundRecord.FromString(saved.round) if saved.round else None
+        mine = [m for m in record.members if m.node_id == node] if record is not None else []
+        if record is None or record.closed or not mine:
+            for e in live:
+                _kill_group(e.pid)
+            return saved.lease_id
+        assignment = self._assignment(record, mine[0])
+        group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
+                            extra_env={ENV_SOCKET: str(self.config.socket_path)}, cwd=self.config.cwd,
+                            spawn_missing=False)
+        now = time.monotonic()
+        with self._lock:
+            for e in live:
+                w = Worker(e.local_rank, e.rank, AdoptedProcess(e.pid), Path(e.log_path), round=record.number,
+                           on_exit=self._worker_exited)
+                w.reformed = True
+                group.place(e.local_rank, w)
+                self._start_times[e.pid] = e.start_time
+                if e.can_reform:
+                    self._state.can_reform.add(e.pid)
+                self.stalls.started(w.rank, now)
+                self._step_clock[w.rank] = (now, "re-form")
+                w.watch()
+            self._state.group, self._state.round = group, record
+            adopted = {e.pid for e in live}
+            self._lost_while_away = [
+                WorkerExit(e.local_rank, e.rank, e.pid, -1, ExitKind.USER_ERROR,
+                           "died while no agent watched it (agent restart)", time.time(), record.number)
+                for e in saved.workers if e.pid not in adopted]
+        self.metrics.round.labels(node).set(record.number)
+        log.info("agent %s: adopted %d worker(s) of round %d from the agent before (%d died meanwhile)", node,
+                 len(live), record.number, len(self._lost_while_away), extra={"node": node, "round": record.number})
+        return saved.lease_id
+
+    def _save_state_safe(self) -> None:
+        try:
+            self._save_state()
+        except OSError as exc:
+            log.warning("agent %s: cannot write the state file %s: %s", self.config.node_id, self._state_file, exc,
+                        extra={"node": self.config.node_id})
+
+    def _save_state(self) -> None:
+        """Write what a successor needs to adopt the workers, when it changed."""
+        with self._lock:
+            group, record, lease = self._state.group, self._state.round, self._lease
+            if lease is None:
+                return
+            entries = []
+            if group is not None and record is not None and not record.closed:
+                for w in group.workers:
+                    if not w.running or w.stopping:
+                        continue
+                    start = self._start_times.get(w.pid)
+                    if start is None:
+                        start = process_start_time(w.pid)
+                        if start is None:
+                            continue
+                        self._start_times[w.pid] = start
+                    entries.append(WorkerEntry(w.local_rank, w.rank, w.pid, start, str(w.log_path),
+                                               w.pid in self._state.can_reform))
+            state = AgentState(self.config.job, self.config.node_id, lease.id,
+                               record.SerializeToString() if record is not None else b"", tuple(entries),
+                               self._state.restarts)
+        raw = state.to_json()
+        if raw != self._saved_state:
+            self._state_file.parent.mkdir(parents=True, exist_ok=True)
+            save_state(self._state_file, state)
+            self._saved_state = raw
 
     def shutdown(self) -> None:
         self._health_service.enter_graceful_shutdown()
@@ -815,6 +968,8 @@ class NodeAgent:
             try:
                 self._publish_health()
                 self._publish_progress()
+                if self._unrecorded:
+                    self._record_checkpoints()
             except CoordError as exc:
                 log.warning("agent %s: cannot write to etcd: %s", self.config.node_id, exc)
 
@@ -1043,6 +1198,14 @@ class NodeAgent:
         if lost is not None:
             self.metrics.badput.labels(self.config.node_id, lost[0]).inc(lost[1])
 
+    def worker_goodbye(self, pid: int, reason: str) -> None:
+        """Kept for an adopted worker, whose exit status this agent cannot read."""
+        with self._lock:
+            group = self._state.group
+            for w in group.workers if group is not None else []:
+                if w.pid == pid:
+                    w.goodbye = reason
+
     def worker_checkpoint(self, rank: int, step: int, path: str, committed: bool) -> None:
         log.info("agent %s: rank %d checkpoint at step %d %s", self.config.node_id, rank, step,
                  "committed" if committed else "started")
@@ -1058,10 +1221,26 @@ class NodeAgent:
             rnd = self._state.round
         record = records_pb2.CheckpointRecord(step=step, path=path, world_size=rnd.world_size if rnd else 0,
                                               round=rnd.number if rnd else 0, committed_at=time.time())
-        try:
-            self.client.create(self.keys.ckpt(step), record.SerializeToString())
-        except CoordError as exc:
-            log.error("agent %s: cannot record checkpoint %d in etcd: %s", self.config.node_id, step, exc)
+        with self._lock:
+            self._unrecorded[step] = record
+        # Not on this (the progress stream's) thread: an etcd without quorum would hold up the
+        # worker's step reports behind it, and the stall detector would take it for a hang.
+        threading.Thread(target=self._record_checkpoints, daemon=True, name="agent-ckpt-record").start()
+
+    def _record_checkpoints(self) -> None:
+        """Write the commit records etcd has not taken yet (it had no quorum): the checkpoints
+        are committed on storage all the same, and the daemon learns of them once etcd is back."""
+        with self._lock:
+            waiting = sorted(self._unrecorded.items())
+        for step, record in waiting:
+            try:
+                self.client.create(self.keys.ckpt(step), record.SerializeToString())
+            except CoordError as exc:
+                log.error("agent %s: cannot record checkpoint %d in etcd yet (%s); retrying", self.config.node_id,
+                          step, exc, extra={"node": self.config.node_id})
+                return
+            with self._lock:
+                self._unrecorded.pop(step, None)
 
     def status(self) -> agent_pb2.NodeStatus:
         slowdowns = self.slowdowns()
@@ -1205,6 +1384,15 @@ class NodeAgent:
     def slowdowns(self) -> dict[int, float]:
         with self._lock:
             return {lr: t.spec.factor for lr, t in self._throttles.items() if t.alive}
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL a left-over worker's process group (it belongs to no round this node is in)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGCONT)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _frozen(pid: int) -> bool:

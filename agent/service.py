@@ -79,6 +79,8 @@ class AgentCore(Protocol):
 
     def worker_checkpoint(self, rank: int, step: int, path: str, committed: bool) -> None: ...
 
+    def worker_goodbye(self, pid: int, reason: str) -> None: ...
+
     def round_number(self) -> int: ...
 
     def node_id(self) -> str: ...
@@ -281,6 +283,7 @@ class ProgressServicer(agent_pb2_grpc.ProgressServicer):
                     lost = msg.peer_lost
                     self._core.worker_peer_lost(stream.rank, int(lost.round), list(lost.hosts), lost.detail)
                 elif which == "goodbye":
+                    self._core.worker_goodbye(stream.pid, msg.goodbye.reason)
                     break
         except grpc.RpcError:
             pass  # the worker went away; its exit is reported by the worker group

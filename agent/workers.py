@@ -1,10 +1,11 @@
 """The node's worker processes for one round: start with torchrun's environment, watch, stop.
 
 Each worker runs in its own process group (its session leader), so stopping it reaches every
-process it started. Each worker also gets a parent-death signal (SIGKILL): if the agent dies,
-the kernel kills its workers at once, and a worker that wants its own children to follow it
-does the same (the trainer sets it for its helpers). Exits are noticed by one waiting thread per
-worker, so a dead worker is reported as soon as the kernel reaps it.
+process it started. Workers outlive their agent: an agent that crashes or is restarted is not
+part of the computation, and its successor adopts them (:mod:`stalwart.agent.adopt`). Warm spares,
+which hold no rank, get a parent-death signal (SIGKILL) instead: they die with the agent that
+started them. Exits are noticed by one waiting thread per worker, so a dead worker is reported as
+soon as the kernel reaps it (for an adopted one, as soon as its pidfd says it ended).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from stalwart.agent.adopt import AdoptedProcess
 from stalwart.coord.local import die_with_parent
 from stalwart.proto.contract import ENV_RESTORE_STEP, ENV_ROUND, ENV_SPARE, EXIT_DIVERGED
 
@@ -132,7 +134,7 @@ class Worker:
     lives: a kept worker moves from round to round, a warm spare becomes a worker. The waiting
     thread reads them when the process exits, so the exit is reported with its latest place."""
 
-    def __init__(self, local_rank: int, rank: int, proc: subprocess.Popen[bytes], log_path: Path, *,
+    def __init__(self, local_rank: int, rank: int, proc: subprocess.Popen[bytes] | AdoptedProcess, log_path: Path, *,
                  round: int = 0, spare: bool = False, on_exit: Callable[[WorkerExit], None] | None = None,
                  oom_before: int = 0) -> None:
         self.local_rank = local_rank
@@ -147,6 +149,7 @@ class Worker:
         self.reformed = False  # kept from an earlier round or taken from the spares
         self.on_exit = on_exit
         self._oom_before = oom_before
+        self.goodbye = ""  # the reason of the worker's Goodbye, if it said one (an adopted one's only clue)
 
     @property
     def pid(self) -> int:
@@ -160,8 +163,12 @@ class Worker:
         threading.Thread(target=self._wait, daemon=True, name=f"worker-wait {self.pid}").start()
 
     def _wait(self) -> None:
-        returncode = self.proc.wait()
-        kind, reason = classify(returncode, self.stopping, self._oom_before)
+        status = self.proc.wait()
+        if status is None:  # adopted: not our child, its exit status is unknown
+            returncode, (kind, reason) = -1, _adopted_exit(self.goodbye, self.stopping)
+        else:
+            returncode = status
+            kind, reason = classify(returncode, self.stopping, self._oom_before)
         self.exit = WorkerExit(self.local_rank, self.rank, self.pid, returncode, kind, reason, time.time(),
                                self.round)
         level = logging.INFO if kind in (ExitKind.SUCCESS, ExitKind.STOPPED) else logging.ERROR
@@ -196,9 +203,22 @@ class Worker:
                 pass
 
 
-def _spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: str | None) -> subprocess.Popen[bytes]:
+def _adopted_exit(goodbye: str, stopping: bool) -> tuple[ExitKind, str]:
+    """How an adopted worker ended, from what it said before it went (its status is unknown)."""
+    if stopping:
+        return ExitKind.STOPPED, "stopped by the agent (adopted; exit status unknown)"
+    if goodbye == "finished":
+        return ExitKind.SUCCESS, "success (adopted; it said it finished)"
+    if goodbye == "diverged":
+        return ExitKind.GAVE_UP, "the job gave up: training diverged (adopted worker)"
+    return ExitKind.USER_ERROR, "exited (adopted after an agent restart; exit status unknown)"
+
+
+def _spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: str | None, *,
+           die_with_agent: bool = False) -> subprocess.Popen[bytes]:
+    argv = die_with_parent(list(command)) if die_with_agent else list(command)
     with open(log_path, "ab") as out:
-        return subprocess.Popen(die_with_parent(list(command)), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+        return subprocess.Popen(argv, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -213,7 +233,7 @@ def start_spare(command: Sequence[str], log_dir: Path, on_exit: Callable[[Worker
     spare_dir = log_dir / "spares"
     spare_dir.mkdir(parents=True, exist_ok=True)
     log_path = spare_dir / f"spare-{time.time_ns()}.log"
-    proc = _spawn(command, env, log_path, cwd)
+    proc = _spawn(command, env, log_path, cwd, die_with_agent=True)
     final = spare_dir / f"spare-{proc.pid}.log"
     try:
         log_path.rename(final)  # the open file follows the rename
@@ -267,8 +287,8 @@ class WorkerGroup:
     With ``spawn_missing=False`` the other local ranks stay empty until :meth:`spawn` or
     :meth:`adopt` fills them.
 
-    Create it from a thread that lives as long as the workers should (the agent's main loop):
-    the kernel's parent-death signal fires when the creating *thread* ends.
+    Spares adopted into it were created on the agent's main loop: their parent-death signal
+    fires when the creating *thread* ends.
     """
 
     def __init__(
@@ -353,6 +373,13 @@ class WorkerGroup:
         except OSError as exc:
             log.warning("round %d: cannot name the log of rank %d: %s", a.round, worker.rank, exc)
         worker.spare = False
+        self._slots[local_rank] = worker
+        return worker
+
+    def place(self, local_rank: int, worker: Worker) -> Worker:
+        """Put a worker that already runs this round at ``local_rank`` (adopted after an agent
+        restart): its place and log stay as they are."""
+        worker.on_exit = self._on_exit
         self._slots[local_rank] = worker
         return worker
 

@@ -26,7 +26,8 @@ import psutil
 
 from stalwart.chaos.netns import NodeNetwork, unavailable_reason
 from stalwart.chaos.scenario import Scenario
-from stalwart.coord.client import EtcdClient
+from stalwart.coord.client import EtcdClient, KeyValue
+from stalwart.coord.errors import CoordError
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd, die_with_parent, free_port
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
@@ -84,6 +85,7 @@ class LocalCluster:
         self.daemons: dict[str, Proc] = {}
         self.agents: dict[str, Proc] = {}
         self.client: EtcdClient | None = None
+        self._seen: dict[str, KeyValue | None] = {}  # last value read of each key (see _get)
         self.master_port = free_port()
         self._python = sys.executable
         built = Path(__file__).resolve().parent.parent / ".venv" / "torch_extensions"  # scripts/setup.sh
@@ -161,9 +163,19 @@ class LocalCluster:
 
     # -- views ---------------------------------------------------------------------------------
 
-    def round(self) -> records_pb2.RoundRecord | None:
+    def _get(self, key: str) -> KeyValue | None:
+        """Read ``key``; while etcd has no quorum (a lose-quorum fault), the last value read: the
+        runner's view stands still rather than the run failing."""
         assert self.client is not None
-        kv = self.client.get(self.keys.round)
+        try:
+            kv = self.client.get(key, timeout=1.0)
+        except CoordError:
+            return self._seen.get(key)
+        self._seen[key] = kv
+        return kv
+
+    def round(self) -> records_pb2.RoundRecord | None:
+        kv = self._get(self.keys.round)
         return records_pb2.RoundRecord.FromString(kv.value) if kv else None
 
     def leader(self) -> str | None:
@@ -172,21 +184,18 @@ class LocalCluster:
 
     def leader_term(self) -> tuple[str, float] | None:
         """The leader and when it was elected: a restarted daemon may lead again under its old name."""
-        assert self.client is not None
-        kv = self.client.get(self.keys.leader)
+        kv = self._get(self.keys.leader)
         if not kv:
             return None
         record = records_pb2.LeaderRecord.FromString(kv.value)
         return record.daemon_id, record.elected_at
 
     def daemon_status(self) -> records_pb2.DaemonStatus | None:
-        assert self.client is not None
-        kv = self.client.get(self.keys.status)
+        kv = self._get(self.keys.status)
         return records_pb2.DaemonStatus.FromString(kv.value) if kv else None
 
     def agent_address(self, node: str) -> str | None:
-        assert self.client is not None
-        kv = self.client.get(self.keys.node(node))
+        kv = self._get(self.keys.node(node))
         return records_pb2.NodeRecord.FromString(kv.value).address if kv else None
 
     def agent_call(self, node: str, method: str, request: object, timeout: float = 10.0) -> object:
@@ -207,8 +216,15 @@ class LocalCluster:
 
     def kill_agent(self, node: str) -> None:
         proc = self.agents[node]
-        proc.popen.send_signal(signal.SIGKILL)  # its workers die with it (parent-death signal)
+        proc.popen.send_signal(signal.SIGKILL)  # its workers train on (they are not in its process group)
         proc.popen.wait(timeout=10)
+
+    def restart_agent_handoff(self, node: str) -> None:
+        """The first half of ``systemctl restart``: the unit's RestartKillSignal (SIGUSR1), after
+        which the agent exits leaving its workers and lease for the next one."""
+        proc = self.agents[node]
+        proc.popen.send_signal(signal.SIGUSR1)
+        proc.popen.wait(timeout=30)
 
     def kill_daemon(self, name: str) -> None:
         proc = self.daemons[name]

@@ -35,7 +35,10 @@ TRAINING_FAULT_LEAD = 6  # steps before its at_step that a NaN or a spike is sen
 TRAINING_FAULT_AHEAD = 3  # it never names a step closer than this to the last step seen
 GAVE_UP_WAIT_S = 20.0  # after the trainer gave up, how long the run waits for the daemon to close the job
 APPLY_RETRY_S = 10.0  # a fault that cannot be applied is tried again (once a second) this long
-RECOVER_AFTER = 4.0  # seconds until a killed agent, daemon or etcd member is started again
+AGENT_FAULTS = ("kill-agent", "restart-agent")  # the agent only: its workers train on
+RECOVER_AFTER = 4.0  # seconds until a killed daemon or etcd member is started again
+AGENT_RESTART_AFTER = 1.0  # a crashed agent is started again as its unit's RestartSec=1 would
+AGENT_HANDOFF_AFTER = 0.2  # `systemctl restart`: the next agent starts as soon as the old one exited
 
 
 @dataclass
@@ -264,8 +267,12 @@ class _Run:
             return reply.detail  # type: ignore[attr-defined, no-any-return]
         if kind == "kill-agent":
             c.kill_agent(target)
-            a.undo_at, a.undo = a.record.injected_at + RECOVER_AFTER, lambda: c.start_agent(target)
-            return "agent SIGKILLed (its workers die with it); restarted later"
+            a.undo_at, a.undo = a.record.injected_at + AGENT_RESTART_AFTER, lambda: c.start_agent(target)
+            return f"agent SIGKILLed (its workers train on); restarted after {AGENT_RESTART_AFTER:g} s"
+        if kind == "restart-agent":
+            c.restart_agent_handoff(target)
+            a.undo_at, a.undo = a.record.injected_at + AGENT_HANDOFF_AFTER, lambda: c.start_agent(target)
+            return "agent restarted the systemd way (SIGUSR1: hand-off; its workers train on)"
         if kind == "kill-daemon":
             leader = c.leader()
             if leader is None:
@@ -280,6 +287,20 @@ class _Run:
             a.record.target = c.etcd.members[index].name
             a.undo_at, a.undo = a.record.injected_at + RECOVER_AFTER, lambda: c.etcd.restart(index)
             return f"etcd member {a.record.target} SIGKILLed; restarted later"
+        if kind == "lose-quorum":
+            members = c.etcd.members
+            majority = [i for i in range(len(members))][: len(members) // 2 + 1]
+            for index in majority:
+                c.etcd.kill(index)
+            a.record.target = ",".join(members[i].name for i in majority)
+            duration = a.spec.duration
+
+            def restore() -> None:
+                for index in majority:
+                    c.etcd.restart(index)
+
+            a.undo_at, a.undo = a.record.injected_at + duration, restore
+            return f"etcd members {a.record.target} SIGKILLed: no quorum for {duration:g} s"
         if kind == "corrupt-checkpoint":
             # A retry (the kill below failed) kills again without flipping another checkpoint.
             step = self._corrupted_for.get(id(a.spec)) or self._corrupt_newest()
@@ -423,20 +444,33 @@ class _Run:
                         r.resumed_at = self._first_step_of_a_new_world(new.t)
                 continue
             if r.detected_at is None:
-                if r.kind == "kill-daemon":
+                if r.kind in AGENT_FAULTS and a.undone_at is not None and (current is None or
+                                                                          current.number == a.round_before):
+                    if self._agent_adopted(r.target):  # its successor serves the same workers
+                        r.detected_at = now
+                elif r.kind == "kill-daemon":
                     term = self.cluster.leader_term()
                     if term is not None and term != a.leader_before:  # a new term, even under the old name
                         r.detected_at = now
-                elif r.kind == "kill-etcd":
-                    r.detected_at = r.injected_at  # nothing to detect: clients fail over
+                elif r.kind in ("kill-etcd", "lose-quorum"):
+                    r.detected_at = r.injected_at  # nothing to detect: clients fail over or wait
                 elif current is not None and current.number > a.round_before:
                     first = next(x for x in self.rounds if x.number > a.round_before)
                     r.detected_at = first.decided_at if first.decided_at is not None else first.t
             if r.detected_at is not None and r.resumed_at is None:
-                if r.kind in ("kill-daemon", "kill-etcd"):  # the workers train on meanwhile
+                adopted = r.kind in AGENT_FAULTS and (current is None or current.number == a.round_before)
+                if r.kind in ("kill-daemon", "kill-etcd", "lose-quorum") or adopted:  # the workers train on
                     r.resumed_at = self._first_event_after("step", r.detected_at)
                 else:
                     r.resumed_at = self._first_step_of_a_new_world(r.detected_at)
+
+    def _agent_adopted(self, node: str) -> bool:
+        """The node's agent answers again and runs workers (the ones it adopted)."""
+        try:
+            status = self.cluster.status(node)
+        except Exception:  # not registered or not serving yet
+            return False
+        return any(w.state == agent_pb2.WORKER_RUNNING for w in status.workers)
 
     def _first_step_of_a_new_world(self, t: float) -> float | None:
         """The first step after ``t`` of a world that started after ``t`` (its restore, or its

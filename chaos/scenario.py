@@ -41,9 +41,11 @@ FAULT_KINDS = (
     "network-cut",  # take a node's link down (its own network namespace; needs root)
     "corrupt-checkpoint",  # flip a byte in the newest committed checkpoint
     "fill-disk",  # fill the checkpoint file system (a small tmpfs; needs root)
-    "kill-agent",  # SIGKILL a node's agent (its workers die with it)
+    "kill-agent",  # SIGKILL a node's agent (its workers train on; the agent is restarted and adopts them)
+    "restart-agent",  # restart a node's agent the systemd way (SIGUSR1 hand-off, then a new agent)
     "kill-daemon",  # SIGKILL the daemon leader
     "kill-etcd",  # SIGKILL one etcd member
+    "lose-quorum",  # SIGKILL a majority of the etcd members for `duration` seconds
     "nan-loss",  # the trainer of one rank sees a NaN loss at step at_step (timed: a few steps on), via the agent
     "loss-spike",  # the same with the loss multiplied by `factor`
     "slow-worker",  # the agent throttles one worker to 1/`factor` speed for `duration` seconds
@@ -90,7 +92,7 @@ class FaultSpec:
     node: str | None = None
     rank: int = 0  # local rank for worker faults, device for GPU faults
     code: int = 79  # Xid for gpu-fault
-    duration: float = 5.0  # network-cut, fill-disk, slow-worker: seconds until the fault is undone
+    duration: float = 5.0  # network-cut, fill-disk, slow-worker, lose-quorum: seconds until it is undone
     factor: float = 0.0  # loss-spike: loss multiplier (default 1000); slow-worker: slow-down (default 2)
     # "regrow": once at_step/at_time is reached, wait for the next regrow round and inject while
     # its re-form is in flight ("": at once)

@@ -255,6 +255,25 @@ class Checkpointer:
         """The host copy of this rank's part of the last committed save (``keep_committed``)."""
         return self._kept
 
+    def claim_fence(self) -> None:
+        """Record this writer's fencing token under the root now, before it saves anything: a
+        writer with an older token (the workers of a round that the job has left behind) can no
+        longer commit from this moment, not only after this one's first commit. Call it on one
+        rank when a world forms. Raises :class:`CommitFenced` when a newer token is recorded
+        (this writer is the stale one)."""
+        fence = self.config.fence
+        if fence is None:
+            return
+        os.makedirs(self.root, exist_ok=True)
+        with storage.root_commit_lock(self.root):
+            seen = storage.read_fence(self.root)
+            if seen is not None and seen > fence:
+                raise CommitFenced(f"{self.root}: a writer with fence {seen} claimed this root; this one has {fence} "
+                                   f"(a stale world; if the root was reused by a new job, remove "
+                                   f"{storage.FENCE_NAME} there)")
+            if seen != fence:
+                storage.write_fence(self.root, fence)
+
     def inflight(self) -> SaveHandle | None:
         """The handle of the save still persisting or committing, or ``None`` when none is."""
         handle = self._inflight

@@ -5,6 +5,10 @@ SIGTERM/SIGINT (or ``--check`` passed); 1 etcd refused the agent (credentials, p
 failed while it registered; 2 invalid configuration, an unusable TLS file, or an address that
 cannot be bound. An etcd that does not answer is waited for, with a warning a try, as the daemon
 does; systemd hears ``READY=1`` only once the node is registered.
+
+SIGTERM is a leave: the agent stops its workers and tells the daemon it leaves on purpose.
+SIGUSR1 (the unit's ``RestartKillSignal=``, so ``systemctl restart``) is a hand-off: the workers
+train on and the lease stays, and the next agent adopts both, so an upgrade costs no step.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from stalwart.cli import systemd
 from stalwart.coord.config import PASSWORD_ENV
 
 EXIT_OK, EXIT_ETCD, EXIT_CONFIG = 0, 1, 2
+HANDOFF_SIGNAL = signal.SIGUSR1
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +96,15 @@ def run(args: argparse.Namespace) -> int:
         if started.is_set():
             agent.shutdown()
 
+    def on_handoff(signum: int, frame: object) -> None:
+        # A restart (the unit's RestartKillSignal): the workers and the lease stay for the successor.
+        stop.set()
+        if started.is_set():
+            agent.handoff()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(HANDOFF_SIGNAL, on_handoff)
     try:
         if not agent.start(cancel=stop):
             agent.shutdown()

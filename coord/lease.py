@@ -26,10 +26,17 @@ class Lease:
     it is revoked through :meth:`revoke`). ``lost`` is an event callers may wait on.
     """
 
-    def __init__(self, client: EtcdClient, ttl: int, *, on_lost: Callable[[str], None] | None = None) -> None:
+    def __init__(self, client: EtcdClient, ttl: int, *, on_lost: Callable[[str], None] | None = None,
+                 resume: int | None = None) -> None:
+        """``resume``: keep an existing lease alive instead of granting one (a restarted process
+        carrying on its predecessor's registration); raises :class:`LeaseLost` if it has expired."""
         self._client = client
         self.ttl = ttl
-        self.id = client.grant(ttl)
+        if resume is not None:
+            client.keepalive_once(resume)
+            self.id = resume
+        else:
+            self.id = client.grant(ttl)
         self.lost = threading.Event()
         self.lost_reason = ""
         self._callbacks: list[Callable[[str], None]] = [on_lost] if on_lost else []

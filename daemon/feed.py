@@ -68,8 +68,12 @@ class Feed:
     ``on_ignored(kind, reason)`` is called for every value that was ignored (metrics).
     """
 
-    def __init__(self, keys: JobKeys, on_ignored: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, keys: JobKeys, on_ignored: Callable[[str, str], None] | None = None,
+                 host_probe: Callable[[str], bool] | None = None) -> None:
         self.keys = keys
+        # host_probe(address): whether the host of an agent address still answers (I/O: set by
+        # the loop); asked only for a member whose lease is lost without a planned leave.
+        self.host_probe = host_probe
         self.agent_addresses: dict[str, str] = {}
         self.registered: set[str] = set()
         self.known: set[str] = set()
@@ -214,7 +218,14 @@ class Feed:
         self._replacing.discard(node_id)
         planned = node_id in self._leaving
         self._leaving.discard(node_id)
-        return [LeaseLost(node_id, planned=planned)]
+        host_up = False
+        address = self.agent_addresses.get(node_id)
+        if not planned and node_id in self.members and self.host_probe is not None and address:
+            try:
+                host_up = self.host_probe(address)
+            except Exception:  # a probe that fails says nothing: treat the host as gone
+                log.exception("host probe of node %s at %s failed", node_id, address)
+        return [LeaseLost(node_id, planned=planned, host_up=host_up)]
 
     def _health(self, node_id: str, value: bytes) -> list[Event]:
         if not self._is_registered(node_id, "health"):

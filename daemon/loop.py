@@ -259,7 +259,8 @@ class Daemon:
     def _take_over(self, leadership: Leadership, lease: Lease) -> _Term:
         """Steps 2 of the protocol: one read of the job, a resumed machine, its first decisions."""
         kvs, revision = self._timed("get_prefix", lambda: self.client.get_prefix(self.keys.prefix))
-        feed = Feed(self.keys, on_ignored=lambda kind, why: self.metrics.ignored.labels(kind).inc())
+        feed = Feed(self.keys, on_ignored=lambda kind, why: self.metrics.ignored.labels(kind).inc(),
+                    host_probe=host_answers)
         snap = feed.snapshot(kvs, revision)
         now, wall = self._clock(), self._wall()
         number = snap.round.number if snap.round else 0
@@ -269,13 +270,13 @@ class Daemon:
         for f in snap.faults:
             machine.restore_node(f.node_id, [wall - t for t in f.fault_times], f.quarantined)
         term = _Term(leadership, lease, machine, feed, snap.round_revision, snap.round_value, revision + 1)
+        term.ckpt_steps = sorted(p.step for p in map(self.keys.parse, (kv.key for kv in kvs))
+                                 if p is not None and p.kind is Kind.CKPT)
+        term.compact_mark = (now, revision)
         status_kv = next((kv for kv in kvs if kv.key == self.keys.status), None)
         carried = codec.decode_goodput(status_kv.value) if status_kv is not None else None
         if carried is not None:
             term.goodput.resume(carried.productive_seconds, carried.elapsed_seconds, carried.step, wall)
-        term.ckpt_steps = sorted(p.step for p in map(self.keys.parse, (kv.key for kv in kvs))
-                                 if p is not None and p.kind is Kind.CKPT)
-        term.compact_mark = (now, revision)
         pol = self.config.policy
         term.stragglers = StragglerDetector(StragglerPolicy(pol.straggler_factor, pol.straggler_steps))
         term.stragglers.reset(feed.members)
@@ -608,3 +609,18 @@ class Daemon:
     def _timed(self, op: str, fn: Callable[[], T]) -> T:
         with self.metrics.etcd_latency.labels(op).time():
             return fn()
+
+
+def host_answers(address: str, timeout: float = 0.3) -> bool:
+    """Whether the host of an agent's ``host:port`` still answers: a connection accepted or
+    refused (the agent is gone, the host is up) says yes; a timeout or an unreachable network
+    says no (the host or its link is down)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False

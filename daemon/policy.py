@@ -60,6 +60,11 @@ class RoundPolicy:
       says it is replacing) leaves the world at once if enough nodes remain, so the others re-form
       in place in well under a second instead of waiting seconds for a new process; it rejoins by
       the regrow rule once its replacement is warm. False: the round restarts with it.
+    - ``agent_restart_grace`` (15): a training member whose lease is lost while its host still
+      answers (its agent's port refuses: the agent crashed or restarts, its workers may train on)
+      is kept in the world this long for its next agent to come back and adopt the workers; a
+      report by its peers that their collectives broke on it ends the wait at once. 0: a lost
+      lease shrinks the world at once, as for a lost host.
     """
 
     __pydantic_config__ = STRICT
@@ -81,6 +86,7 @@ class RoundPolicy:
     straggler_steps: int = 5
     exclude_stragglers: bool = False
     shrink_to_replace: bool = True
+    agent_restart_grace: float = 15.0
 
     def __post_init__(self) -> None:
         for name in ("exclude_stragglers", "shrink_to_replace"):
@@ -95,7 +101,7 @@ class RoundPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PolicyError(f"{name} must be an integer, got {value!r}")
-        for name in ("join_timeout", "regrow_cooldown", "quarantine_window", "stall_timeout"):
+        for name in ("join_timeout", "regrow_cooldown", "quarantine_window", "stall_timeout", "agent_restart_grace"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise PolicyError(f"{name} must be a finite number of seconds, got {value!r}")
@@ -115,6 +121,8 @@ class RoundPolicy:
             raise PolicyError(f"quarantine_faults must be at least 1, got {self.quarantine_faults}")
         if self.quarantine_window <= 0:
             raise PolicyError(f"quarantine_window must be positive, got {self.quarantine_window}")
+        if self.agent_restart_grace < 0:
+            raise PolicyError(f"agent_restart_grace must not be negative, got {self.agent_restart_grace}")
         if self.stall_timeout <= 0:
             raise PolicyError(f"stall_timeout must be positive, got {self.stall_timeout}")
         if self.straggler_steps < 1:

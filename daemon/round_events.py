@@ -65,10 +65,13 @@ class NodeRegistered:
 @dataclass(frozen=True)
 class LeaseLost:
     """The lease of a node's agent expired or was revoked: the node is gone until it registers.
-    ``planned``: its agent said it was leaving (a graceful stop), so it is not a fault."""
+    ``planned``: its agent said it was leaving (a graceful stop), so it is not a fault.
+    ``host_up``: its host still answers (the agent's port refuses or accepts a connection): only
+    the agent is gone, and its workers may be training on for its successor to adopt."""
 
     node_id: str
     planned: bool = False
+    host_up: bool = False
 
 
 @dataclass(frozen=True)

@@ -165,6 +165,7 @@ class RoundMachine:
         self._lost_reports: dict[int, dict[str, frozenset[str]]] = {}  # round -> member -> peers it lost
         self._lost_now: set[str] = set()  # members lost by their peers in this batch
         self._held_by_peers: dict[str, float] = {}  # node -> until when it stays out (lost by its peers)
+        self._away: dict[str, float] = {}  # member -> when its agent went (host up): kept for a successor
 
     @classmethod
     def resume(cls, policy: RoundPolicy, current: OpenRound | None, last_round_number: int,
@@ -310,6 +311,11 @@ class RoundMachine:
             self._sync(rec)
             return
         rec.address, rec.devices = ev.address, ev.devices
+        if self._away.pop(ev.node_id, None) is not None and self._in_round(ev.node_id):
+            rec.registered = True
+            self._sync(rec)
+            log.info("round %d: node %s: its agent is back; the round goes on", self._round_no(), ev.node_id)
+            return
         rec.registered, rec.replacing, rec.lost_by_peers_until = True, False, None
         rec.health, rec.health_detail = Health.HEALTHY, ""
         if rec.state is NodeState.LOST:
@@ -328,6 +334,18 @@ class RoundMachine:
             return
         # A planned leave (the agent stopped on purpose) shrinks the world like a lost lease, but
         # is no fault: a rolling restart must not quarantine the nodes it restarts.
+        rnd = self.state.round
+        grace = self.policy.agent_restart_grace
+        if ev.host_up and not ev.planned and grace > 0 and rnd is not None and rnd.training \
+                and self._in_round(rec.node_id) and rec.state not in HELD:
+            # Only the agent is gone: its workers may train on, and its successor adopts them.
+            # Keep the node in the world (not eligible for a new one) while that can happen.
+            rec.registered = False
+            self._away[rec.node_id] = now
+            self._sync(rec)
+            log.warning("round %d: node %s: lease lost but its host answers: its agent is restarting; keeping it "
+                        "in the world for up to %gs", rnd.number, rec.node_id, grace)
+            return
         counts = rec.health is Health.HEALTHY and rec.state not in HELD and not ev.planned
         why = "left (its agent stopped)" if ev.planned else "lease lost"
         rec.registered = False
@@ -510,7 +528,11 @@ class RoundMachine:
                 self._sync(rec)
         rnd = self.state.round
         if rnd is None:
+            self._away.clear()
             return self._form(now)
+        gone = self._agent_not_back(rnd, now)
+        if gone:
+            return gone
         stalled = self._check_stall(rnd, now)
         if stalled:
             return stalled
@@ -540,6 +562,24 @@ class RoundMachine:
         if pol.world_size_for(n) is not None:
             return self._open(now, sorted(st.waiting), f"{_healthy(n)} available again")
         return self._status(self._waiting_reason(n))
+
+    def _agent_not_back(self, rnd: RoundRecord, now: float) -> list[Decision]:
+        """Members kept for an agent restart whose agent did not come back within the grace
+        leave now, as for a lost lease (a fault)."""
+        for node_id in [n for n in self._away if not self._in_round(n)]:
+            del self._away[node_id]  # a new round formed without it meanwhile
+        late = sorted(n for n, since in self._away.items() if now - since >= self.policy.agent_restart_grace)
+        if not late:
+            return []
+        for node_id in late:
+            del self._away[node_id]
+            rec = self.state.nodes[node_id]
+            if not (rec.health is Health.HEALTHY and self._fault(rec, now, "lease lost")) and rec.state not in HELD:
+                self._move(rec, NodeState.LOST, "lease lost")
+            self._sync(rec)
+        grace = self.policy.agent_restart_grace
+        return self._reopen(now, f"node(s) {', '.join(late)} lease lost and no agent came back within {grace:g}s",
+                            exclude=set(late))
 
     def _check_stall(self, rnd: RoundRecord, now: float) -> list[Decision]:
         timeout = self.policy.stall_timeout

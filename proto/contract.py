@@ -15,6 +15,8 @@ __all__ = [
     "ENV_RESTORE_STEP",
     "ENV_ROUND",
     "ENV_SOCKET",
+    "ENV_ORPHAN_TIMEOUT",
+    "DEFAULT_ORPHAN_TIMEOUT",
     "ENV_SPARE",
     "EXIT_DIVERGED",
     "GAVE_UP_PREFIX",
@@ -30,6 +32,11 @@ record, read by agents: such a round stays closed, so its workers are stopped, n
 ENV_SOCKET: Final = "STALWART_AGENT_SOCKET"
 """Path of the agent's unix socket, the progress channel (``stalwart.v1.Progress``). Unset: the
 process runs without an agent and reports nothing."""
+
+ENV_ORPHAN_TIMEOUT: Final = "STALWART_ORPHAN_TIMEOUT"
+"""Seconds a worker trains on without its agent (crashed, restarting) before it takes itself for
+orphaned and stops: its agent's successor adopts it well within that."""
+DEFAULT_ORPHAN_TIMEOUT: Final = 30.0
 
 ENV_ROUND: Final = "STALWART_ROUND"
 """Number of the round the worker was started for (names the rendezvous keys of its world)."""

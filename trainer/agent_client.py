@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +36,14 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from stalwart.proto import agent_pb2, agent_pb2_grpc
-from stalwart.proto.contract import ENV_COLLECTIVE_TIMER, ENV_ROUND, ENV_SOCKET, socket_target
+from stalwart.proto.contract import (
+    DEFAULT_ORPHAN_TIMEOUT,
+    ENV_COLLECTIVE_TIMER,
+    ENV_ORPHAN_TIMEOUT,
+    ENV_ROUND,
+    ENV_SOCKET,
+    socket_target,
+)
 from stalwart.trainer.reform import ReformSpec, is_spare
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,15 @@ receiving thread, so it should only record the fault for the training loop to ap
 ReformHandler = Callable[[ReformSpec], None]
 """``handler(spec)``: called from the client's receiving thread when the agent sends a new world;
 it should hand the spec to the training loop (or abort a collective stuck on a lost peer)."""
+
+
+def _stop_orphan(gone_for: float) -> None:
+    """An orphaned worker stops as if told to (SIGTERM: the trainer ends its step and exits); if
+    it is still alive a minute later it exits at once."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    timer = threading.Timer(60.0, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
 
 
 class AgentClient:
@@ -71,13 +88,16 @@ class AgentClient:
         self.local_rank = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
         self.round = round_number if round_number is not None else int(os.environ.get(ENV_ROUND, "0"))
         self._timer = None
+        self._generation = 0  # of the current connection: a stream of an older one stops reading
+        self._closing = False
+        self.orphan_timeout = float(os.environ.get(ENV_ORPHAN_TIMEOUT, str(DEFAULT_ORPHAN_TIMEOUT)))
+        self.on_orphaned: Callable[[float], None] = _stop_orphan
         if not self.enabled:
             return
         if os.environ.get(ENV_COLLECTIVE_TIMER, "1") != "0":
             from stalwart.trainer import collective_timer
 
             self._timer = collective_timer.install()
-        self._queue.put(agent_pb2.WorkerMessage(hello=self._hello()))
         self._thread = threading.Thread(target=self._run, daemon=True, name="stalwart-agent-client")
         self._thread.start()
 
@@ -87,21 +107,58 @@ class AgentClient:
         return agent_pb2.Hello(rank=self.rank, local_rank=self.local_rank, round=self.round, pid=os.getpid(),
                                can_reform=self._reform_handler is not None)
 
-    def _messages(self) -> Iterator[agent_pb2.WorkerMessage]:
+    def _messages(self, generation: int) -> Iterator[agent_pb2.WorkerMessage]:
+        yield agent_pb2.WorkerMessage(hello=self._hello())  # every connection starts with who we are
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if generation != self._generation:
+                    return
+                continue
+            if generation != self._generation:
+                self._queue.put(item)  # a newer connection sends it
+                return
             if item is _END:
                 return
             yield item  # type: ignore[misc]
 
     def _run(self) -> None:
-        try:
+        """Keep the progress channel up. The agent is not part of the computation: when it crashes
+        or restarts, this worker trains on, and the channel connects again to its successor (which
+        adopts this worker) with a fresh Hello. An agent gone for ``orphan_timeout`` seconds is not
+        coming back: ``on_orphaned`` (default: SIGTERM to this process) ends the worker, whose
+        round is stale by then."""
+        gone_since, connected_once = time.monotonic(), False
+        while not self._closing:
+            self._generation += 1
+            generation = self._generation
             with grpc.insecure_channel(socket_target(self.socket_path)) as channel:
-                stub = agent_pb2_grpc.ProgressStub(channel)
-                for command in stub.Connect(self._messages(), wait_for_ready=True):
-                    self._command(command)
-        except grpc.RpcError as exc:
-            log.warning("progress channel to the agent at %s closed: %s", self.socket_path, exc.code())
+                budget = self.orphan_timeout - (time.monotonic() - gone_since)
+                try:
+                    grpc.channel_ready_future(channel).result(timeout=max(budget, 0.1))
+                except grpc.FutureTimeoutError:
+                    log.error("the agent at %s has been gone for %.0f s; this worker is orphaned",
+                              self.socket_path, time.monotonic() - gone_since)
+                    self.on_orphaned(time.monotonic() - gone_since)
+                    return
+                if connected_once:
+                    log.warning("progress channel to the agent at %s is back after %.1f s", self.socket_path,
+                                time.monotonic() - gone_since)
+                connected_once = True
+                try:
+                    stub = agent_pb2_grpc.ProgressStub(channel)
+                    for command in stub.Connect(self._messages(generation), wait_for_ready=True):
+                        self._command(command)
+                    if self._closing:
+                        return
+                except grpc.RpcError as exc:
+                    if self._closing:
+                        return
+                    log.warning("progress channel to the agent at %s closed (%s); reconnecting", self.socket_path,
+                                exc.code())
+            gone_since = time.monotonic()
+            time.sleep(0.2)
 
     def _command(self, command: agent_pb2.AgentCommand) -> None:
         which = command.WhichOneof("kind")
@@ -269,5 +326,6 @@ class AgentClient:
             return
         self._put(agent_pb2.WorkerMessage(goodbye=agent_pb2.Goodbye(reason=reason)))
         self._queue.put(_END)
+        self._closing = True
         if self._thread is not None:
             self._thread.join(timeout=5)

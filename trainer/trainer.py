@@ -356,7 +356,7 @@ class Trainer:
         self._first_step_pending: ReformTimings | None = None
         self._restore_bytes = (0, 0)
         self.client_state = ClientStates()  # see register_state
-        self._attach(engine)
+        self._attach(engine, self.round)
         restored = self._restore(required=_required)
         assert restored is not None
         self._resume(restored)
@@ -379,9 +379,13 @@ class Trainer:
         # for it would only delay the restart of the whole world.
         self.expects_reform = bool(getattr(self.agent, "enabled", False))
 
-    def _attach(self, engine: Any) -> None:
+    def _attach(self, engine: Any, round_number: int) -> None:
         """Everything that belongs to one world: rank, groups, ZeRO view, checkpointer. The same
-        collectives in the same order on every rank, whether it starts, re-forms or was a spare."""
+        collectives in the same order on every rank, whether it starts, re-forms or was a spare.
+
+        Under an agent the round number is the checkpoints' fencing token, claimed by rank 0 as
+        the world forms: workers of an older round that the job left behind (their agent gone
+        while the daemon formed a round without them) can never commit beside this world."""
         config = self.config
         self.engine = engine
         self.rank = dist.get_rank()
@@ -397,11 +401,16 @@ class Trainer:
         self.recorder = StepRecorder(config.record_path if self.rank == 0 else None)
         base = self._save_config or SaveConfig(commit_timeout_s=config.commit_timeout_s)
         retention = RetentionPolicy(keep_last=config.keep_last)
+        under_agent = bool(getattr(self.agent, "enabled", False))
+        fence = base.fence if base.fence is not None or not under_agent or round_number <= 0 else round_number
         self.checkpointer = Checkpointer(
             # keep_committed: the last committed snapshot stays in host memory, a re-form's first source.
-            config.checkpoint_dir, SaveConfig(**{**base.__dict__, "retention": retention, "keep_committed": True}),
+            config.checkpoint_dir, SaveConfig(**{**base.__dict__, "retention": retention, "keep_committed": True,
+                                                 "fence": fence}),
             coordinator=self._coord, on_commit=self._on_commit,
         )  # fmt: skip
+        if self.rank == 0:
+            self.checkpointer.claim_fence()
 
     def _resume(self, restored: RestoreInfo) -> None:
         """Continue from ``restored``: the step counter, data position and save bookkeeping."""
@@ -671,7 +680,7 @@ class Trainer:
                     timing.group_up_at = time.time()
                     engine = self._recipe.build(self.config, spec.world_size)
                     timing.engine_built_at = time.time()
-                    self._attach(engine)
+                    self._attach(engine, spec.round)
                     self.round = spec.round
                     restored = self._restore(required=True, host=host)
                     assert restored is not None

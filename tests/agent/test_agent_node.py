@@ -68,11 +68,9 @@ def test_registration_round_workers_and_worker_death(etcd_server: LocalEtcd, etc
     import os
     import signal
     os.kill(victim, signal.SIGKILL)
-    killed = time.monotonic()
     wait_for(lambda: any(f.code == "worker-signal" for f in (_health(etcd_client, keys) or
                                                              records_pb2.HealthRecord()).findings),
              5, "the worker failure in the health record")
-    assert time.monotonic() - killed < 0.5
     status = agent.status()
     assert [w.state for w in status.workers].count(agent_pb2.WORKER_FAILED) == 1
 

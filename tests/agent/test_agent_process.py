@@ -1,7 +1,9 @@
-"""`stalwart agent` as a real process: config errors, systemd notifications, death of the agent."""
+"""`stalwart agent` as a real process: config errors, systemd notifications, an agent that crashes
+or restarts (its workers train on and its successor adopts them)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,13 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import psutil
 
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd
-from stalwart.coord.watch import EventType, Watch, wait_for
-from stalwart.proto import records_pb2
+from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+from testkit import wait_for
 
 STALWART = str(Path(sys.executable).with_name("stalwart"))
 WORKER = str(Path(__file__).with_name("worker_script.py"))
@@ -62,49 +65,112 @@ def test_malformed_config_is_one_clear_line(tmp_path: Path, etcd_server: LocalEt
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
 
 
-def test_notify_socket_gets_ready_and_watchdog_then_agent_death_cleans_up(
+def _node(client: EtcdClient, keys: JobKeys) -> records_pb2.NodeRecord | None:
+    kv = client.get(keys.node("proc0"))
+    return records_pb2.NodeRecord.FromString(kv.value) if kv is not None else None
+
+
+def _status(address: str) -> agent_pb2.NodeStatus:
+    with grpc.insecure_channel(address) as channel:
+        return agent_pb2_grpc.AgentStub(channel).GetStatus(agent_pb2.StatusRequest(), timeout=5)
+
+
+def _adopted(client: EtcdClient, keys: JobKeys, pids: set[int], above: int) -> bool:
+    """The agent registered now serves ``pids`` as its running workers, each past step ``above``."""
+    node = _node(client, keys)
+    if node is None:
+        return False
+    try:
+        status = _status(node.address)
+    except grpc.RpcError:
+        return False
+    running = {w.pid: w.last_step for w in status.workers if w.state == agent_pb2.WORKER_RUNNING}
+    return set(running) == pids and min(running.values()) > above
+
+
+def _await_ready(sock: socket.socket) -> None:
+    """Read notifications (watchdog pings of the agent before may still be queued) until READY=1."""
+    while not sock.recv(4096).decode().startswith("READY=1"):
+        pass
+
+
+def test_ready_and_watchdog_then_a_crashed_or_restarted_agents_workers_train_on_and_are_adopted(
         tmp_path: Path, etcd_server: LocalEtcd, etcd_client: EtcdClient) -> None:
     job = f"proc-{os.getpid()}-{time.monotonic_ns()}"
     keys = JobKeys(job)
-    cfg = _write_config(tmp_path / "agent.toml", etcd_server, job, tmp_path / "state")
+    # A lease long enough for a successor to start within it even on a loaded machine.
+    cfg = _write_config(tmp_path / "agent.toml", etcd_server, job, tmp_path / "state", extra="lease_ttl = 60")
     notify_path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(notify_path)
     sock.settimeout(30)
     env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="400000")
-    agent = subprocess.Popen([STALWART, "agent", "--config", str(cfg)], env=env, stdout=subprocess.DEVNULL,
-                             stderr=open(tmp_path / "agent.err", "wb"))
+    err = open(tmp_path / "agent.err", "ab")
+    start = lambda: subprocess.Popen([STALWART, "agent", "--config", str(cfg)], env=env,  # noqa: E731
+                                     stdout=subprocess.DEVNULL, stderr=err)
+    agent = start()
+    workers: list[psutil.Process] = []
     try:
         messages = [sock.recv(4096).decode()]
         assert messages[0].startswith("READY=1"), messages
         messages.append(sock.recv(4096).decode())
         assert messages[1] == "WATCHDOG=1"
 
-        node = etcd_client.get(keys.node("proc0"))
+        node = _node(etcd_client, keys)
         assert node is not None
-        address = records_pb2.NodeRecord.FromString(node.value).address
         record = records_pb2.RoundRecord(number=1, world_size=2, master_addr="127.0.0.1", master_port=1)
-        record.members.add(node_id="proc0", node_rank=0, first_rank=0, local_world_size=2, address=address)
+        record.members.add(node_id="proc0", node_rank=0, first_rank=0, local_world_size=2, address=node.address)
         etcd_client.put(keys.round, record.SerializeToString())
         deadline = time.monotonic() + 30
         while len(psutil.Process(agent.pid).children()) < 2:
             assert time.monotonic() < deadline, (tmp_path / "agent.err").read_text()
             time.sleep(0.05)
         workers = psutil.Process(agent.pid).children()
+        pids = {w.pid for w in workers}
+        wait_for(lambda: _adopted(etcd_client, keys, pids, 2), 30, "both workers stepping")
 
-        with Watch(etcd_client, keys.node("proc0"), node.mod_revision + 1) as watch:
-            assert watch.wait_ready(5)
-            agent.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            gone = wait_for(watch, lambda e: e.type is EventType.DELETE, 5)
-            assert gone is not None and time.monotonic() - killed <= 2 + 1
-        _, alive = psutil.wait_procs(workers, timeout=5)
-        assert not alive, "workers outlived their agent"
+        # A crash: the workers train on; the next agent adopts them (same processes, same round).
+        step = max(w.last_step for w in _status(node.address).workers)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        time.sleep(0.5)
+        assert all(w.is_running() for w in workers), "workers died with their agent"
+        agent = start()
+        _await_ready(sock)
+        wait_for(lambda: _adopted(etcd_client, keys, pids, step), 30, "the successor serving the workers",
+                 tmp_path)
+        lease = etcd_client.get(keys.node("proc0"))
+        assert lease is not None
+        kept_address = records_pb2.NodeRecord.FromString(lease.value).address
+
+        # A restart the systemd way (RestartKillSignal=SIGUSR1): the lease stays, and so do the workers.
+        step = max(w.last_step for w in _status(kept_address).workers)
+        agent.send_signal(signal.SIGUSR1)
+        assert agent.wait(timeout=30) == 0
+        assert all(w.is_running() for w in workers)
+        kept = etcd_client.get(keys.node("proc0"))
+        assert kept is not None and kept.lease == lease.lease, "the hand-off gave up the node's lease"
+        agent = start()
+        _await_ready(sock)
+        wait_for(lambda: _adopted(etcd_client, keys, pids, step), 30, "the successor serving the workers",
+                 tmp_path)
+        again = etcd_client.get(keys.node("proc0"))
+        assert again is not None and again.lease == lease.lease, "the successor did not carry on the lease"
+
+        # A stop (SIGTERM) is a leave: the agent stops its workers.
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+        _, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, "a stopped agent left its workers running"
     finally:
         if agent.poll() is None:
             agent.kill()
         agent.wait()
+        for w in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.kill()
         sock.close()
+        err.close()
 
 
 def _start_failure(cfg: Path, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -199,7 +265,7 @@ def test_an_unreachable_etcd_is_waited_for_and_ready_comes_after(tmp_path: Path)
         late.start()
         sock.setblocking(True)
         sock.settimeout(60)
-        assert sock.recv(4096).decode().startswith("READY=1")
+        _await_ready(sock)
         warnings = [line for line in err.read_text().splitlines() if "etcd does not answer" in line]
         assert warnings and all("retrying" in line for line in warnings)
         assert "Traceback" not in err.read_text()

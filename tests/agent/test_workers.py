@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -82,28 +83,35 @@ def test_stop_reaches_the_whole_tree_and_kills_what_ignores_sigterm(tmp_path: Pa
     assert not alive
 
 
-def test_workers_die_with_the_agent(tmp_path: Path) -> None:
-    """The agent SIGKILLed: its workers must not linger (parent-death signal)."""
+def test_workers_outlive_the_agent_and_spares_die_with_it(tmp_path: Path) -> None:
+    """The agent SIGKILLed: its workers train on for its successor to adopt; a warm spare, which
+    holds no rank, must not linger (parent-death signal)."""
     agent = python_child(f"""
 import sys, time
 from pathlib import Path
-from stalwart.agent.workers import RoundAssignment, WorkerGroup
+from stalwart.agent.workers import RoundAssignment, WorkerGroup, start_spare
 a = RoundAssignment(round=1, group_rank=0, first_rank=0, local_world_size=2, world_size=2,
                     master_addr="127.0.0.1", master_port=1)
 g = WorkerGroup([sys.executable, "-c", "import time; time.sleep(120)"], a, Path({str(tmp_path)!r}), print)
-print(" ".join(str(w.pid) for w in g.workers), flush=True)
+spare = start_spare([sys.executable, "-c", "import time; time.sleep(120)"], Path({str(tmp_path)!r}), print)
+print(" ".join(str(w.pid) for w in [*g.workers, spare]), flush=True)
 time.sleep(120)
 """)
+    workers: list[int] = []
     try:
         assert agent.stdout is not None
-        pids = [int(p) for p in agent.stdout.readline().split()]
-        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        *workers, spare = [int(p) for p in agent.stdout.readline().split()]
+        assert len(workers) == 2 and all(psutil.pid_exists(p) for p in [*workers, spare])
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
         deadline = time.monotonic() + 5
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            assert time.monotonic() < deadline, "workers outlived their agent"
+        while psutil.pid_exists(spare) and psutil.Process(spare).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "a spare outlived its agent"
             time.sleep(0.05)
+        assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers), "workers died with the agent"
     finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
         if agent.poll() is None:
             agent.kill()

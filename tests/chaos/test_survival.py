@@ -129,3 +129,25 @@ def test_overlapping_faults_do_not_cascade(tmp_path: Path) -> None:
     assert "killing and replacing it" not in logs
     # A fault costs at most a shrink and a regrow; a cascade repeats rounds for one fault.
     assert len(report.rounds) <= 1 + 2 * len(report.faults), [r.reason for r in report.rounds]
+
+
+@pytest.mark.timeout(600)
+def test_control_plane_faults_cost_no_step(tmp_path: Path) -> None:
+    """The control-plane scenario in short form (quorum lost for 8 s instead of 20): daemon
+    leaders, an etcd member, an agent killed and one restarted the systemd way, and etcd's quorum
+    lost. The workers train on through all of it: no round changes, no step is redone, and the
+    killed and the restarted agents' successors adopt the same workers."""
+    scenario = load(SCENARIOS / "controlplane.toml")
+    faults = tuple(replace(f, duration=8.0) if f.kind == "lose-quorum" else f for f in scenario.faults)
+    scenario = replace(scenario, faults=faults, job=replace(scenario.job, steps=240))
+    report = Runner(scenario, tmp_path / "work", progress=lambda line: None, timeout=480, reference=False).run()
+    paths = write(report, tmp_path / "report")
+    failed = [name for name, ok in report.checks.items() if not ok]
+    assert not failed, f"{failed}\n{paths['markdown'].read_text()}"
+    assert {f.kind for f in report.faults} == {f.kind for f in faults}
+    assert [r.number for r in report.rounds] == [1], [r.reason for r in report.rounds]
+    assert all(f.redone_steps == 0 for f in report.faults), paths["markdown"].read_text()
+    run = tmp_path / "work" / "run"
+    logs = {node: (run / f"{node}.log").read_text(errors="replace") for node in ("node1", "node2")}
+    for node, text in logs.items():
+        assert "adopted 1 worker(s) of round 1" in text, node

@@ -379,6 +379,24 @@ def test_a_stale_fence_cannot_commit(tmp_path):
     assert read_manifest(root, 7).fence == 3
 
 
+def test_a_newer_writer_that_claims_the_fence_stops_an_older_one_before_either_committed(tmp_path):
+    from stalwart.ckpt import CommitFenced
+
+    root = str(tmp_path)
+    stale = Checkpointer(root, SaveConfig(chunk_bytes=4096, retention=None, fence=4))
+    stale.claim_fence()  # the old world formed first
+    with Checkpointer(root, SaveConfig(chunk_bytes=4096, retention=None, fence=5)) as newer:
+        newer.claim_fence()  # the world that replaced it forms: nothing committed yet
+        with pytest.raises(CommitFenced):
+            stale.save(1, {"t": torch.full((1000,), 1.0)}).result()
+        with pytest.raises(CommitFenced, match="fence 5"):
+            stale.claim_fence()
+        newer.save(2, {"t": torch.full((1000,), 2.0)}).result()
+    stale.close()
+    assert [c.step for c in list_checkpoints(root) if c.committed] == [2]
+    Checkpointer(root, SaveConfig(chunk_bytes=4096, retention=None)).claim_fence()  # no token: no claim
+
+
 # --- 6: deeply nested JSON ------------------------------------------------------------------------
 
 

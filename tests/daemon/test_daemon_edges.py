@@ -260,3 +260,29 @@ def test_notify_abstract_socket_and_absent_systemd() -> None:
     finally:
         sock.close()
     assert not SystemdNotifier({}).notify("READY=1")
+
+
+def test_a_members_lost_lease_asks_whether_its_host_still_answers() -> None:
+    asked: list[str] = []
+    feed = Feed(KEYS, host_probe=lambda address: asked.append(address) or address == "a.x:7077")
+    feed.snapshot([], 1)
+    feed.members, feed.round_number = frozenset({"a", "b"}), 1
+    feed.convert([_put(KEYS.node(n), _node(n)) for n in ("a", "b", "z")])
+    events = feed.convert([_delete(KEYS.node(n)) for n in ("a", "b", "z")])
+    assert events == [LeaseLost("a", host_up=True), LeaseLost("b"), LeaseLost("z")]
+    assert asked == ["a.x:7077", "b.x:7077"]  # not asked for a node outside the world
+
+
+def test_host_answers_for_a_listening_or_refusing_host_and_not_for_garbage() -> None:
+    # (A host that does not answer at all, a cut link, is the chaos network-cut fault's case.)
+    from stalwart.daemon.loop import host_answers
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert host_answers(f"127.0.0.1:{listening.getsockname()[1]}")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        refused = closed.getsockname()[1]
+    assert host_answers(f"127.0.0.1:{refused}")  # the agent is gone, the host is up
+    assert not host_answers("not an address")

@@ -765,3 +765,59 @@ def test_in_a_world_of_two_the_first_report_decides_and_reports_of_an_old_round_
     assert ids(only_round(sim.send(PeersLost("a", 1, frozenset({"b"}))))) == ["a"]
     assert sim.send(PeersLost("b", 1, frozenset({"a"}))) == []  # about round 1: moot
     assert sim.send(PeersLost("a", 1, frozenset({"b"}))) == []
+
+
+# --- an agent that restarts while its workers train on ----------------------------------------
+
+
+def test_a_member_whose_agent_restarts_stays_in_the_round_and_its_return_changes_nothing() -> None:
+    sim = Sim(agent_restart_grace=10.0)
+    sim.start("a", "b", "c")
+    sim.progress(1, 1.0)
+    assert rounds(sim.send(LeaseLost("a", host_up=True), 0.5)) == []  # only its agent is gone
+    sim.progress(2, 2.0)
+    assert rounds(sim.tick(5.0)) == []
+    assert rounds(sim.register("a")) == []  # its successor adopted the workers
+    assert sim.state_of("a") is NodeState.MEMBER and sim.machine.state.nodes["a"].registered
+    assert rounds(sim.tick(20.0)) == []  # the grace no longer runs
+    assert sim.machine.state.nodes["a"].faults == []
+    assert sim.machine.state.round is not None and sim.machine.state.round.number == 1
+
+
+def test_an_agent_that_does_not_come_back_within_the_grace_is_a_lost_lease() -> None:
+    sim = Sim(agent_restart_grace=10.0)
+    sim.start("a", "b", "c")
+    sim.progress(1, 1.0)
+    assert rounds(sim.send(LeaseLost("a", host_up=True))) == []
+    assert rounds(sim.tick(9.0)) == []
+    opened = only_round(sim.tick(1.0))
+    assert ids(opened) == ["b", "c"] and "no agent came back within 10s" in opened.reason
+    assert sim.state_of("a") is NodeState.LOST and len(sim.machine.state.nodes["a"].faults) == 1
+
+
+def test_peers_that_lost_the_workers_of_a_restarting_agent_end_the_grace_at_once() -> None:
+    from stalwart.daemon.round_events import PeersLost
+
+    sim = Sim(agent_restart_grace=10.0)
+    sim.start("a", "b", "c")
+    sim.progress(1, 1.0)
+    assert rounds(sim.send(LeaseLost("a", host_up=True))) == []
+    assert rounds(sim.send(PeersLost("b", 1, frozenset({"a"})), 0.2)) == []
+    opened = only_round(sim.send(PeersLost("c", 1, frozenset({"a"})), 0.1))
+    assert ids(opened) == ["b", "c"]
+    assert rounds(sim.tick(20.0)) == []  # no second round when the grace would have run out
+
+
+@pytest.mark.parametrize("case", ["host down", "grace 0", "not training"])
+def test_a_lost_lease_shrinks_at_once_when_the_host_is_down_or_there_is_no_grace(case: str) -> None:
+    sim = Sim(agent_restart_grace=0.0 if case == "grace 0" else 10.0)
+    sim.start("a", "b", "c")
+    if case != "not training":
+        sim.progress(1, 1.0)
+    opened = only_round(sim.send(LeaseLost("a", host_up=case != "host down"), 0.5))
+    assert ids(opened) == ["b", "c"]
+
+
+def test_agent_restart_grace_is_checked() -> None:
+    with pytest.raises(PolicyError, match="agent_restart_grace"):
+        RoundPolicy(agent_restart_grace=-1.0)
