@@ -37,16 +37,16 @@ def _committed(client: EtcdClient, job: str) -> int:
     return int(ck["step"]) if ck else -1  # type: ignore[call-overload]
 
 
-def test_a_job_survives_a_worker_kill_and_its_quarantined_node_is_drained(
-        slurm: Any, etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path) -> None:
-    job = f"slurm-test-{os.getpid()}"
+def _submit(slurm: Any, etcd: LocalEtcd, tmp_path: Path, job: str, *, min_nodes: int,
+            form_timeout: int = 120) -> tuple[str, Path, Path]:
+    """``sbatch -N 3`` of the launcher with the small worker; (Slurm job id, its output, pid dir)."""
     pids = tmp_path / "pids"
     pids.mkdir()
     env = {**slurm.env,
-           "STALWART": STALWART, "STALWART_JOB": job, "STALWART_ETCD": ",".join(etcd_server.endpoints),
+           "STALWART": STALWART, "STALWART_JOB": job, "STALWART_ETCD": ",".join(etcd.endpoints),
            "STALWART_COMMAND": f"exec {sys.executable} {WORKER}", "STALWART_LAST_STEP": str(LAST),
-           "STALWART_MIN_NODES": "2", "STALWART_FORM_TIMEOUT": "120", "STALWART_LISTEN": "127.0.0.1:0",
-           "STALWART_STATE_DIR": str(tmp_path / "state"),
+           "STALWART_MIN_NODES": str(min_nodes), "STALWART_FORM_TIMEOUT": str(form_timeout),
+           "STALWART_LISTEN": "127.0.0.1:0", "STALWART_STATE_DIR": str(tmp_path / "state"),
            "STALWART_AGENT_EXTRA": 'probe = "fake"\nlease_ttl = 2\nstop_grace = 2.0\nreform_in_place = false',
            "STALWART_POLICY_EXTRA": f"quarantine_faults = 1\njoin_timeout = 30.0\nmaster_port = {free_port()}",
            "LAST": str(LAST), "PIDS": str(pids), "WORK": "0.05", "CKPT_EVERY": "5"}
@@ -55,7 +55,19 @@ def test_a_job_survives_a_worker_kill_and_its_quarantined_node_is_drained(
                                 "--chdir", str(tmp_path), str(LAUNCH)], env=env, capture_output=True, text=True,
                                timeout=60)
     assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
+    return submitted.stdout.strip().split(";")[0], out, pids
+
+
+def _ended(slurm: Any, job_id: str, tmp_path: Path) -> str:
+    wait_for(lambda: _job_state(slurm, job_id) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
+             240, "the Slurm job to end", tmp_path / "state")
+    return _job_state(slurm, job_id)
+
+
+def test_a_job_survives_a_worker_kill_and_its_quarantined_node_is_drained(
+        slurm: Any, etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path) -> None:
+    job = f"slurm-test-{os.getpid()}"
+    job_id, out, pids = _submit(slurm, etcd_server, tmp_path, job, min_nodes=2)
     try:
         # training runs on all three nodes; then n3's worker is killed
         wait_for(lambda: _committed(etcd_client, job) >= 15, 120, "training to step 15", tmp_path / "state")
@@ -63,10 +75,9 @@ def test_a_job_survives_a_worker_kill_and_its_quarantined_node_is_drained(
         os.kill(victim, signal.SIGKILL)
 
         # the job ends by itself, successfully, once the last step's checkpoint commits
-        wait_for(lambda: _job_state(slurm, job_id) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
-                 240, "the Slurm job to end", tmp_path / "state")
+        state = _ended(slurm, job_id, tmp_path)
         text = out.read_text()
-        assert _job_state(slurm, job_id) == "COMPLETED", text
+        assert state == "COMPLETED", text
         assert f"training reached step {LAST}" in text
         assert _committed(etcd_client, job) == LAST
 
@@ -84,3 +95,20 @@ def test_a_job_survives_a_worker_kill_and_its_quarantined_node_is_drained(
         deadline = time.monotonic() + 30
         while _job_state(slurm, job_id) in ("RUNNING", "COMPLETING") and time.monotonic() < deadline:
             time.sleep(0.5)
+
+
+def test_a_job_whose_world_can_no_longer_form_ends_with_the_reason(
+        slurm: Any, etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path) -> None:
+    job = f"slurm-short-{os.getpid()}"
+    job_id, out, pids = _submit(slurm, etcd_server, tmp_path, job, min_nodes=3, form_timeout=5)
+    try:
+        wait_for(lambda: _committed(etcd_client, job) >= 5, 120, "training to step 5", tmp_path / "state")
+        os.kill(int((pids / "n2.pid").read_text()), signal.SIGKILL)  # n2 is quarantined: 2 nodes < min_nodes
+        state = _ended(slurm, job_id, tmp_path)
+        text = out.read_text()
+        assert state == "FAILED", text
+        assert "cannot-form: no world for" in text and "the world can no longer be formed" in text, text
+        assert "DRAIN" in slurm.node("n2")
+    finally:
+        slurm.run("scancel", job_id, check=False)
+        slurm.run("scontrol", "update", "nodename=n2", "state=resume", check=False)
