@@ -5,8 +5,9 @@
                                         then restore in the same world and compare
     zero_child.py restore OUT CONFIGS   restore each config's newest checkpoint here and compare
     zero_child.py faults OUT            (one rank) corrupt / missing newest checkpoint, other model
+    zero_child.py restore,faults OUT CONFIGS   modes joined by commas run in turn in one world
 
-Rank 0 writes ``OUT/result-<mode>-w<world>.json``; the test asserts on it.
+Rank 0 writes ``OUT/result-<mode>-w<world>.json`` for each mode; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -140,28 +141,31 @@ def restore_and_check(out: str, name: str, root: str, expect_step: int) -> dict[
 
 
 def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
-    names = sys.argv[3].split(",") if len(sys.argv) > 3 else []
+    modes, out = sys.argv[1].split(","), sys.argv[2]
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] else []
     ckroot = os.path.join(out, "ckpt")
-    results: dict[str, Any] = {}
-    if mode == "save":
-        for name in names:
-            trainer = make_trainer(name, ckroot)
-            train(trainer, out, name)
-            rng_at_save = bytes(torch.get_rng_state().numpy())
-            torch.manual_seed(12345)  # the restore must bring the saved stream back
-            results[name] = restore_and_check(out, name, ckroot, 4)
-            results[name]["rng_restored"] = results[name]["rng"] == rng_at_save.hex()
-            results[name]["cannot_reform"] = trainer.cannot_reform
-    elif mode == "restore":
-        for name in names:
-            results[name] = restore_and_check(out, name, ckroot, 4)
-    elif mode == "faults":
-        results = faults(out, ckroot)
-    if dist.get_rank() == 0:
-        path = os.path.join(out, f"result-{mode}-w{dist.get_world_size()}.json")
-        with open(path, "w") as f:
-            json.dump(results, f)
+    for mode in modes:  # in turn, in this one world
+        results: dict[str, Any] = {}
+        if mode == "save":
+            for name in names:
+                trainer = make_trainer(name, ckroot)
+                train(trainer, out, name)
+                rng_at_save = bytes(torch.get_rng_state().numpy())
+                torch.manual_seed(12345)  # the restore must bring the saved stream back
+                results[name] = restore_and_check(out, name, ckroot, 4)
+                results[name]["rng_restored"] = results[name]["rng"] == rng_at_save.hex()
+                results[name]["cannot_reform"] = trainer.cannot_reform
+        elif mode == "restore":
+            for name in names:
+                results[name] = restore_and_check(out, name, ckroot, 4)
+        elif mode == "faults":
+            results = faults(out, ckroot)
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+        if dist.get_rank() == 0:
+            path = os.path.join(out, f"result-{mode}-w{dist.get_world_size()}.json")
+            with open(path, "w") as f:
+                json.dump(results, f)
     # Leave the world before the interpreter exits: gloo's threads torn down by static destructors
     # at exit have aborted a rank ("terminate called without an active exception").
     dist.barrier()
