@@ -1134,6 +1134,12 @@ class NodeAgent:
         with self._lock:
             return self._state.round.number if self._state.round else 0
 
+    def round_number_nowait(self) -> int:
+        """The current round without taking the agent's lock (for log context: logging must
+        never wait on the agent)."""
+        rnd = self._state.round
+        return rnd.number if rnd is not None else 0
+
     def worker_hello(self, hello: HelloEvent) -> None:
         node = self.config.node_id
         if hello.spare:

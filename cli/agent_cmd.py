@@ -23,7 +23,7 @@ import threading
 from dataclasses import asdict
 
 from stalwart.agent.config import AgentConfig, AgentConfigError, load, security_warnings, tls_credentials
-from stalwart.cli import systemd
+from stalwart.cli import logs, systemd
 from stalwart.coord.config import PASSWORD_ENV
 
 EXIT_OK, EXIT_ETCD, EXIT_CONFIG = 0, 1, 2
@@ -88,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
         agent = NodeAgent(config)
     except ProbeUnavailable as exc:
         return _fail(exc, EXIT_CONFIG)
+    context = logs.AgentContext(config.node_id, agent.round_number_nowait)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(context)
     stop = threading.Event()
     started = threading.Event()
 

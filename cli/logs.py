@@ -5,11 +5,38 @@ from __future__ import annotations
 import json
 import logging
 import logging.handlers
+import re
 import sys
 import time
+from collections.abc import Callable
 
 # Context fields a log call may pass through ``extra=``; they are printed when present.
 CONTEXT = ("node", "rank", "round", "step")
+
+
+_ROUND_IN_MESSAGE = re.compile(r"\bround (\d+)\b")
+
+
+class AgentContext(logging.Filter):
+    """Gives every record of an agent process its node (the node id, never an address) and the
+    round it is about: the first "round N" of the message (a decision about round N is logged
+    while the agent's own round is still N-1), else the agent's current round."""
+
+    def __init__(self, node_id: str, current_round: Callable[[], int]) -> None:
+        super().__init__()
+        self._node_id = node_id
+        self._current_round = current_round
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "node"):
+            record.node = self._node_id
+        if not hasattr(record, "round"):
+            about = _ROUND_IN_MESSAGE.search(record.getMessage())
+            try:
+                record.round = int(about.group(1)) if about else self._current_round()
+            except Exception:  # a broken round source must not lose the line
+                pass
+        return True
 
 
 class JsonFormatter(logging.Formatter):

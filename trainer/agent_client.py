@@ -25,6 +25,7 @@ time (wall time minus time blocked in ``torch.distributed`` collectives).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -56,6 +57,15 @@ receiving thread, so it should only record the fault for the training loop to ap
 ReformHandler = Callable[[ReformSpec], None]
 """``handler(spec)``: called from the client's receiving thread when the agent sends a new world;
 it should hand the spec to the training loop (or abort a collective stuck on a lost peer)."""
+
+
+def _outlive_agent() -> None:
+    """Clear the parent-death signal a warm spare was started with (it held no rank, so it died
+    with its agent); once it holds a rank, its agent's successor adopts it instead."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, 0)  # PR_SET_PDEATHSIG, 0
+    except (OSError, AttributeError):  # not Linux: there was no such signal either
+        pass
 
 
 def _stop_orphan(gone_for: float) -> None:
@@ -245,6 +255,7 @@ class AgentClient:
             handler = self._reform_handler
             if handler is None:
                 self._pending_reforms.extend(later)
+        _outlive_agent()  # a rank now: like any worker it must survive its agent's restart
         if handler is not None:
             for newer in later:
                 self._call_reform(handler, newer)

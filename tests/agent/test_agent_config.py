@@ -158,3 +158,25 @@ def test_check_validates_and_prints_without_starting(tmp_path: Path) -> None:
     assert not (tmp_path / "state").exists(), "--check must not start anything"
     out = _agent("--config", str(_file(tmp_path, "workerz = 2")), "--check")
     assert out.returncode == 2 and "did you mean 'workers'" in out.stderr
+
+
+def test_agent_log_lines_carry_the_node_id_and_the_round_they_are_about() -> None:
+    import json
+    import logging
+
+    from stalwart.cli.logs import AgentContext, JsonFormatter
+
+    current = {"round": 4}
+    context = AgentContext("n7", lambda: current["round"])
+
+    def line(msg: str, **extra: object) -> dict[str, object]:
+        record = logging.LogRecord("stalwart.agent.node", logging.INFO, __file__, 1, msg, (), None)
+        record.__dict__.update(extra)
+        assert context.filter(record)
+        return json.loads(JsonFormatter().format(record))  # type: ignore[no-any-return]
+
+    event = line("agent n7: round 5: keeping 1 worker(s) in place")  # logged before the agent's round moves
+    assert (event["node"], event["round"]) == ("n7", 5)
+    assert line("agent n7: lease lost; registering again")["round"] == 4  # nothing in the message: the current
+    assert line("progress channel to 10.0.0.5:7077 closed")["node"] == "n7"  # never an address
+    assert line("rank 1 exited", round=3, node="n7")["round"] == 3  # what the call said wins

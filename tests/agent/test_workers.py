@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup
-from testkit import python_child
+from testkit import python_child, wait_for
 
 ASSIGN = RoundAssignment(round=7, group_rank=1, first_rank=2, local_world_size=2, world_size=6,
                          master_addr="127.0.0.1", master_port=29999, restore_step=40, restart_count=3)
@@ -84,8 +84,11 @@ def test_stop_reaches_the_whole_tree_and_kills_what_ignores_sigterm(tmp_path: Pa
 
 
 def test_workers_outlive_the_agent_and_spares_die_with_it(tmp_path: Path) -> None:
-    """The agent SIGKILLed: its workers train on for its successor to adopt; a warm spare, which
-    holds no rank, must not linger (parent-death signal)."""
+    """The agent SIGKILLed: its workers (and a spare that was given a rank) train on for its
+    successor to adopt; a warm spare, which holds no rank, must not linger (parent-death signal)."""
+    flag = tmp_path / "ranked"
+    ranked = ("import time; from stalwart.trainer.agent_client import _outlive_agent; _outlive_agent(); "
+              f"open({str(flag)!r}, 'w').close(); time.sleep(120)")
     agent = python_child(f"""
 import sys, time
 from pathlib import Path
@@ -94,14 +97,17 @@ a = RoundAssignment(round=1, group_rank=0, first_rank=0, local_world_size=2, wor
                     master_addr="127.0.0.1", master_port=1)
 g = WorkerGroup([sys.executable, "-c", "import time; time.sleep(120)"], a, Path({str(tmp_path)!r}), print)
 spare = start_spare([sys.executable, "-c", "import time; time.sleep(120)"], Path({str(tmp_path)!r}), print)
-print(" ".join(str(w.pid) for w in [*g.workers, spare]), flush=True)
+# a spare that was given a rank clears its parent-death signal (AgentClient does it on assignment)
+ranked = start_spare([sys.executable, "-c", {ranked!r}], Path({str(tmp_path)!r}), print)
+print(" ".join(str(w.pid) for w in [*g.workers, ranked, spare]), flush=True)
 time.sleep(120)
 """)
     workers: list[int] = []
     try:
         assert agent.stdout is not None
         *workers, spare = [int(p) for p in agent.stdout.readline().split()]
-        assert len(workers) == 2 and all(psutil.pid_exists(p) for p in [*workers, spare])
+        assert len(workers) == 3 and all(psutil.pid_exists(p) for p in [*workers, spare])
+        wait_for(flag.exists, 60, "the ranked spare cleared its parent-death signal")
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
         deadline = time.monotonic() + 5
