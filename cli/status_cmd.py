@@ -47,7 +47,8 @@ def etcd_config(args: argparse.Namespace):  # -> EtcdConfig (imported lazily: fa
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="the job's current round, nodes and newest checkpoint")
+    p = sub.add_parser("status", help="the job's round, world, step rate, goodput, last faults and their cost, "
+                                      "nodes and newest checkpoint")
     add_etcd_arguments(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

@@ -12,6 +12,7 @@
 #   STALWART_LAST_STEP    the job's last step: done once a checkpoint of it commits
 #   STALWART_WORKERS      workers per node (default: $SLURM_GPUS_ON_NODE, else 1)
 #   STALWART_ETCD         etcd endpoints (HOST:PORT,...); empty: start etcd on the batch node
+#   STALWART_ETCD_PORT    its client port (default 2379; the peer port is the next one)
 #   STALWART_DAEMON       "job" (default): start two daemons here; "external": one runs elsewhere
 #   STALWART_MIN_NODES    fewest nodes the world may have (default: all of the allocation)
 #   STALWART_MAX_NODES    most nodes (default: the allocation; more leaves room for expansion)
@@ -68,11 +69,13 @@ cleanup() {
 trap cleanup EXIT
 
 if [[ -z "${STALWART_ETCD:-}" ]]; then
-    etcd --name "$JOB" --data-dir "$STATE/etcd" --listen-client-urls "http://0.0.0.0:2379" \
-        --advertise-client-urls "http://$host:2379" --listen-peer-urls "http://127.0.0.1:2380" \
-        > "$STATE/etcd.log" 2>&1 &
+    port=${STALWART_ETCD_PORT:-2379}
+    etcd --name stalwart --data-dir "$STATE/etcd" --listen-client-urls "http://0.0.0.0:$port" \
+        --advertise-client-urls "http://$host:$port" --listen-peer-urls "http://127.0.0.1:$((port + 1))" \
+        --initial-advertise-peer-urls "http://127.0.0.1:$((port + 1))" \
+        --initial-cluster "stalwart=http://127.0.0.1:$((port + 1))" > "$STATE/etcd.log" 2>&1 &
     pids+=($!)
-    STALWART_ETCD="$host:2379"
+    STALWART_ETCD="$host:$port"
 fi
 export STALWART_ETCD
 

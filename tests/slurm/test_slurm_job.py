@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.coord.client import EtcdClient
+from stalwart.coord.config import EtcdConfig
+from stalwart.coord.errors import CoordError
 from stalwart.coord.local import LocalEtcd, free_port
 from stalwart.daemon.status import read_status
 from testkit import wait_for
@@ -37,13 +40,14 @@ def _committed(client: EtcdClient, job: str) -> int:
     return int(ck["step"]) if ck else -1  # type: ignore[call-overload]
 
 
-def _submit(slurm: Any, etcd: LocalEtcd, tmp_path: Path, job: str, *, min_nodes: int,
-            form_timeout: int = 120) -> tuple[str, Path, Path]:
-    """``sbatch -N 3`` of the launcher with the small worker; (Slurm job id, its output, pid dir)."""
+def _submit(slurm: Any, endpoints: str, tmp_path: Path, job: str, *, min_nodes: int,
+            form_timeout: int = 120, etcd_port: int = 0) -> tuple[str, Path, Path]:
+    """``sbatch -N 3`` of the launcher with the small worker; (Slurm job id, its output, pid dir).
+    Empty ``endpoints``: the job starts its own etcd on ``etcd_port``."""
     pids = tmp_path / "pids"
     pids.mkdir()
     env = {**slurm.env,
-           "STALWART": STALWART, "STALWART_JOB": job, "STALWART_ETCD": ",".join(etcd.endpoints),
+           "STALWART": STALWART, "STALWART_JOB": job, "STALWART_ETCD": endpoints, "STALWART_ETCD_PORT": str(etcd_port),
            "STALWART_COMMAND": f"exec {sys.executable} {WORKER}", "STALWART_LAST_STEP": str(LAST),
            "STALWART_MIN_NODES": str(min_nodes), "STALWART_FORM_TIMEOUT": str(form_timeout),
            "STALWART_LISTEN": "127.0.0.1:0", "STALWART_STATE_DIR": str(tmp_path / "state"),
@@ -67,7 +71,7 @@ def _ended(slurm: Any, job_id: str, tmp_path: Path) -> str:
 def test_a_job_survives_a_worker_kill_and_its_quarantined_node_is_drained(
         slurm: Any, etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path) -> None:
     job = f"slurm-test-{os.getpid()}"
-    job_id, out, pids = _submit(slurm, etcd_server, tmp_path, job, min_nodes=2)
+    job_id, out, pids = _submit(slurm, ",".join(etcd_server.endpoints), tmp_path, job, min_nodes=2)
     try:
         # training runs on all three nodes; then n3's worker is killed
         wait_for(lambda: _committed(etcd_client, job) >= 15, 120, "training to step 15", tmp_path / "state")
@@ -97,12 +101,14 @@ def test_a_job_survives_a_worker_kill_and_its_quarantined_node_is_drained(
             time.sleep(0.5)
 
 
-def test_a_job_whose_world_can_no_longer_form_ends_with_the_reason(
-        slurm: Any, etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path) -> None:
+def test_a_job_whose_world_can_no_longer_form_ends_with_the_reason(slurm: Any, tmp_path: Path) -> None:
     job = f"slurm-short-{os.getpid()}"
-    job_id, out, pids = _submit(slurm, etcd_server, tmp_path, job, min_nodes=3, form_timeout=5)
+    port = free_port()  # the job starts its own etcd (STALWART_ETCD empty)
+    job_id, out, pids = _submit(slurm, "", tmp_path, job, min_nodes=3, form_timeout=5, etcd_port=port)
+    etcd_client = EtcdClient(EtcdConfig(endpoints=f"{socket.gethostname()}:{port}"))
     try:
-        wait_for(lambda: _committed(etcd_client, job) >= 5, 120, "training to step 5", tmp_path / "state")
+        wait_for(lambda: _committed(etcd_client, job) >= 5, 120, "training to step 5", tmp_path / "state",
+                 retry_on=(CoordError,))  # the job's etcd is not up at once
         os.kill(int((pids / "n2.pid").read_text()), signal.SIGKILL)  # n2 is quarantined: 2 nodes < min_nodes
         state = _ended(slurm, job_id, tmp_path)
         text = out.read_text()
@@ -112,3 +118,4 @@ def test_a_job_whose_world_can_no_longer_form_ends_with_the_reason(
     finally:
         slurm.run("scancel", job_id, check=False)
         slurm.run("scontrol", "update", "nodename=n2", "state=resume", check=False)
+        etcd_client.close()
