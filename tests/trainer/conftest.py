@@ -12,7 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from trainer_testlib import Torchrun  # noqa: E402
+from trainer_testlib import Direct, Torchrun  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +50,9 @@ def torchrun_jobs(ds_env: dict[str, str]) -> Iterator[Torchrun]:
         yield jobs
     finally:
         jobs.close()
+
+
+@pytest.fixture(scope="module")
+def direct_jobs(ds_env: dict[str, str]) -> Direct:
+    """Like ``torchrun_jobs`` without the launcher, for tests that need a world, not torchrun."""
+    return Direct(ds_env)

@@ -1,4 +1,4 @@
-"""Run under torchrun by test_export.py: train configs of zero_child's model and keep references.
+"""Run by test_export.py (ranks in torchrun's environment): train configs of zero_child's model and keep references.
 
     export_child.py OUT CONFIGS     train 4 steps per config (checkpoints at steps 2 and 4) and
                                     write the gathered fp32 weights of both as OUT/ref-<cfg>-<step>.npz

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from trainer_testlib import REPO, Torchrun, tail
+from trainer_testlib import REPO, Direct, tail
 
 from stalwart.proto import agent_pb2, agent_pb2_grpc
 
@@ -38,7 +38,7 @@ def test_steps_and_checkpoints_are_reported_to_the_agent(ds_env: dict[str, str],
     agent_pb2_grpc.add_ProgressServicer_to_server(agent, server)
     server.add_insecure_port(f"unix:{sock}")
     server.start()
-    jobs = Torchrun({**ds_env, "STALWART_AGENT_SOCKET": str(sock)})
+    jobs = Direct({**ds_env, "STALWART_AGENT_SOCKET": str(sock)})
     try:
         log = tmp_path / "run.log"
         rc = jobs.run(1, str(REPO / "examples" / "train_gpt.py"), "--ckpt-dir", str(tmp_path / "ckpt"),

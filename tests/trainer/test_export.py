@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from trainer_testlib import Torchrun, tail
+from trainer_testlib import Direct, tail
 from zero_child import Net
 
 from stalwart.ckpt import read_manifest
@@ -21,12 +21,12 @@ pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def trained(torchrun_jobs: Torchrun, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+def trained(direct_jobs: Direct, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     outs = {}
     for world, name in RUNS.items():
         out = tmp_path_factory.mktemp(f"export-w{world}")
         log = out / "run.log"
-        assert torchrun_jobs.run(world, CHILD, str(out), name, log=log) == 0, tail(log)
+        assert direct_jobs.run(world, CHILD, str(out), name, log=log) == 0, tail(log)
         outs[world] = out
     return outs
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_testlib import REPO, Torchrun, tail
+from trainer_testlib import REPO, Direct, tail
 
 from stalwart.ckpt import list_checkpoints
 from stalwart.trainer import EXIT_DIVERGED, GlobalBatchSampler, committed_steps, read_events, skipped_samples
@@ -67,11 +67,11 @@ def _check_accounting(events: list[dict[str, Any]], last_step: int) -> dict[int,
 
 
 def test_injected_nan_on_one_rank_rolls_back_both_and_skips_the_data_since_the_checkpoint(
-        torchrun_jobs: Torchrun, tmp_path: Path) -> None:
+        direct_jobs: Direct, tmp_path: Path) -> None:
     """NaN on rank 1 at step 8, a checkpoint step: nothing of step 8 is saved; both ranks go back
     to step 4, skip the batches of steps 5..8 and train on to step 16."""
     log = tmp_path / "run.log"
-    rc = torchrun_jobs.run(2, SCRIPT, "--ckpt-dir", str(tmp_path / "ckpt"), "--steps-log", str(tmp_path / "s.jsonl"),
+    rc = direct_jobs.run(2, SCRIPT, "--ckpt-dir", str(tmp_path / "ckpt"), "--steps-log", str(tmp_path / "s.jsonl"),
                            *COMMON, "--steps", "16", "--inject-nan-step", "8", "--inject-rank", "1", log=log)
     assert rc == 0, tail(log)
     events = read_events(str(tmp_path / "s.jsonl"))

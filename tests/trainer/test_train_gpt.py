@@ -115,7 +115,8 @@ def test_sigterm_to_one_worker_leaves_a_committed_checkpoint_and_exit_0(torchrun
 
 def test_world_size_without_a_valid_split_fails_at_start(torchrun_jobs: Torchrun, tmp_path: Path) -> None:
     log = tmp_path / "run.log"
-    rc = torchrun_jobs.run(4, SCRIPT, "--ckpt-dir", str(tmp_path / "ckpt"), *COMMON, log=log)  # 12 = 2 x 6: not 4
+    # a global batch of 6 = 2 x 3 micro batches splits over 1 or 3 ranks, not 2 (two ranks start sooner than four)
+    rc = torchrun_jobs.run(2, SCRIPT, "--ckpt-dir", str(tmp_path / "ckpt"), *COMMON, "--global-batch", "6", log=log)
     assert rc != 0
     assert "stalwart.trainer.errors.InvalidWorldSize" in log.read_text(errors="replace")
     assert not (tmp_path / "ckpt").exists() or list_checkpoints(str(tmp_path / "ckpt")) == []

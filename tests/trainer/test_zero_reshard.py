@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_testlib import Torchrun, tail
+from trainer_testlib import Direct, tail
 
 CHILD = str(Path(__file__).with_name("zero_child.py"))
 ALL = ["z1", "z2", "z3", "z2-off-fp16", "z3-off", "z3-fp16"]
@@ -22,7 +22,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("zero")
 
 
-def _run(jobs: Torchrun, out: Path, nproc: int, mode: str, configs: list[str]) -> dict[str, Any]:
+def _run(jobs: Direct, out: Path, nproc: int, mode: str, configs: list[str]) -> dict[str, Any]:
     """One mode's results at world ``nproc``. At world 1 the restores and the fault cases run in
     one process (whichever test needs them first starts it): each is read from its own file."""
     result = out / f"result-{mode}-w{nproc}.json"
@@ -37,8 +37,8 @@ def _run(jobs: Torchrun, out: Path, nproc: int, mode: str, configs: list[str]) -
 
 
 @pytest.fixture(scope="module")
-def saved(torchrun_jobs: Torchrun, out: Path) -> dict[str, Any]:
-    return _run(torchrun_jobs, out, 2, "save", ALL)
+def saved(direct_jobs: Direct, out: Path) -> dict[str, Any]:
+    return _run(direct_jobs, out, 2, "save", ALL)
 
 
 @pytest.mark.parametrize("config", ALL)
@@ -59,11 +59,14 @@ def test_only_zero_1_and_2_workers_offer_to_reform_in_place(saved: dict[str, Any
             assert why is not None and "stage 1 and 2" in why, (config, why)
 
 
-@pytest.mark.parametrize("world", [1, 3, 4])
-def test_restore_at_another_dp_size_is_bitwise_equal(saved: dict[str, Any], torchrun_jobs: Torchrun, out: Path,
+# World 4 (slow): four ranks on a small machine cost the most, and what they check (ZeRO 1 and 2
+# scaled up from 2, the saved partitions split) world 3 checks for every config with partition
+# bounds that do not line up with the saved ones.
+@pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.slow)])
+def test_restore_at_another_dp_size_is_bitwise_equal(saved: dict[str, Any], direct_jobs: Direct, out: Path,
                                                       world: int) -> None:
     configs = STAGE_1_2 if world == 4 else ALL
-    results = _run(torchrun_jobs, out, world, "restore", configs)
+    results = _run(direct_jobs, out, world, "restore", configs)
     for config in configs:
         r = results[config]
         assert (config, r["step"], r["engine_step"]) == (config, 4, 4)
@@ -73,8 +76,8 @@ def test_restore_at_another_dp_size_is_bitwise_equal(saved: dict[str, Any], torc
 
 
 @pytest.fixture(scope="module")
-def faults(saved: dict[str, Any], torchrun_jobs: Torchrun, out: Path) -> dict[str, Any]:
-    return _run(torchrun_jobs, out, 1, "faults", [])
+def faults(saved: dict[str, Any], direct_jobs: Direct, out: Path) -> dict[str, Any]:
+    return _run(direct_jobs, out, 1, "faults", [])
 
 
 @pytest.mark.parametrize("case", ["corrupt", "missing"])

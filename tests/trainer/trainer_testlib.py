@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from testkit import kill_tree
@@ -41,6 +43,48 @@ class Torchrun:
             if p.poll() is None:
                 kill_tree(p.pid)
                 p.wait()
+
+
+class Direct:
+    """Starts the ranks of a one-node world as plain processes with the environment torchrun would
+    give them (no launcher process: one interpreter that imports torch fewer per job). For tests
+    whose ranks all exit on their own; when one fails the others are killed, as torchrun does."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def run(self, nproc: int, script: str, *args: str, log: Path, timeout: float = 600) -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        with open(log, "ab") as out:
+            for rank in range(nproc):
+                world = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                         "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": str(port)}
+                procs.append(subprocess.Popen([sys.executable, script, *args], stdout=out, stderr=subprocess.STDOUT,
+                                              env={**self.env, **world}, cwd=REPO, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [c for c in codes if c not in (None, 0)]
+                if failed:
+                    return failed[0]
+                if all(c == 0 for c in codes):
+                    return 0
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the ranks did not finish; log tail:\n{tail(log)}")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    kill_tree(p.pid)
+                    p.wait()
+
+    def close(self) -> None:
+        """Nothing to do: ``run`` leaves no process behind."""
 
 
 def tail(log: Path, lines: int = 40) -> str:

@@ -1,4 +1,5 @@
-"""Run under torchrun by test_zero_reshard.py: save ZeRO state at one world size, restore at another.
+"""Run by test_zero_reshard.py (as ranks in torchrun's environment): save ZeRO state at one world
+size, restore at another.
 
     zero_child.py save OUT CONFIGS      train 4 steps per config, checkpoint steps 2 and 4, write the
                                         gathered fp32 weights and Adam moments of both as references,
