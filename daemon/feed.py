@@ -125,11 +125,15 @@ class Feed:
         events: list[Event] = []
         for name, kv in by_kind.get(Kind.NODE, []):
             events += self._node_put(str(name), kv.value)
-        events += [LeaseLost(m) for m in sorted(self.members - self.registered)]
         for name, kv in by_kind.get(Kind.HEALTH, []):
             events += self._health(str(name), kv.value)
         for name, kv in by_kind.get(Kind.PROGRESS, []):
             events += self._progress(str(name), kv.value)
+        # After the progress (whether the round trains decides how a lost lease is taken), and
+        # asking each missing member's host, as a lease lost under a running leader would.
+        addresses = {m.node_id: m.address for m in current.members} if current else {}
+        for m in sorted(self.members - self.registered):
+            events.append(LeaseLost(m, host_up=self._host_up(m, addresses.get(m, ""))))
         for name, kv in by_kind.get(Kind.CKPT, []):
             step = int(str(name))
             try:
@@ -218,14 +222,18 @@ class Feed:
         self._replacing.discard(node_id)
         planned = node_id in self._leaving
         self._leaving.discard(node_id)
-        host_up = False
-        address = self.agent_addresses.get(node_id)
-        if not planned and node_id in self.members and self.host_probe is not None and address:
-            try:
-                host_up = self.host_probe(address)
-            except Exception:  # a probe that fails says nothing: treat the host as gone
-                log.exception("host probe of node %s at %s failed", node_id, address)
+        host_up = not planned and node_id in self.members and self._host_up(node_id,
+                                                                            self.agent_addresses.get(node_id, ""))
         return [LeaseLost(node_id, planned=planned, host_up=host_up)]
+
+    def _host_up(self, node_id: str, address: str) -> bool:
+        if self.host_probe is None or not address:
+            return False
+        try:
+            return self.host_probe(address)
+        except Exception:  # a probe that fails says nothing: treat the host as gone
+            log.exception("host probe of node %s at %s failed", node_id, address)
+            return False
 
     def _health(self, node_id: str, value: bytes) -> list[Event]:
         if not self._is_registered(node_id, "health"):

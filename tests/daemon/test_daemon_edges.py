@@ -132,9 +132,9 @@ def test_snapshot_orders_registrations_first_and_skips_bad_values() -> None:
     assert snap.round is not None and snap.round.number == 4 and snap.round_revision == 7
     assert snap.committed_step == 100 and [f.node_id for f in snap.faults] == ["q"]
     assert snap.events == [
-        NodeRegistered("a", "a.x", 2), NodeRegistered("c", "c.x", 2), Cordon("c"), LeaseLost("b"),
-        HealthVerdict("a", Health.FATAL, ""), CheckpointCommitted(100),
-    ]
+        NodeRegistered("a", "a.x", 2), NodeRegistered("c", "c.x", 2), Cordon("c"),
+        HealthVerdict("a", Health.FATAL, ""), LeaseLost("b"), CheckpointCommitted(100),
+    ]  # a member's lost lease after the progress: whether the round trains decides how it is taken
     assert sorted(ignored) == ["ckpt", "health", "node"]  # garbage ckpt and node, unknown node's health
 
 
