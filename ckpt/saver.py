@@ -10,7 +10,8 @@ Order of one save, on every rank (rank 0 also commits):
    ``optimizer.step()``): forward and backward of the next step overlap the copy.
 2. Background thread — cuts each tensor's bytes into chunks, checksums (xxh3 of the raw bytes)
    and maybe compresses them on a small thread pool, appends them in order to
-   ``rank-NNNNN.bin``, fsyncs the file and the directory.
+   ``rank-NNNNN.bin``, fsyncs the file and the directory. ``SaveConfig.background_nice`` and
+   ``persist_bytes_per_s`` budget this work when training keeps the host's cores busy.
 3. Commit — every rank sends its shard record (file size and digest, chunk table, regions,
    metadata) to rank 0 through the :class:`~stalwart.ckpt.coord.Coordinator`, even when it
    failed. Rank 0 checks that the parts tile every tensor, writes ``manifest.json`` atomically
@@ -89,6 +90,15 @@ class SaveConfig:
     keep_committed: bool = False
     """Keep the host snapshot of the last committed save (:meth:`Checkpointer.committed_snapshot`):
     two host buffers alternate, so the next save never overwrites it. Costs a second buffer."""
+    background_nice: int = 0
+    """Scheduling niceness added to the background threads of a save (hashing, compression,
+    writing; not the overlap snapshot copy, which the next optimizer step waits for), 0-19. On a
+    host whose cores training keeps busy, the background work then runs in what training leaves
+    idle instead of taking cores from it (the save takes longer). Linux only; ignored elsewhere."""
+    persist_bytes_per_s: float | None = None
+    """Pace the background work: chunks are hashed, compressed and written at no more than this
+    many bytes per second (raw bytes), spreading a save's CPU work over the time between saves.
+    ``None``: as fast as possible."""
     fence: int | None = None
     """This writer's fencing token (e.g. the job attempt or round; larger is newer). It goes into
     the manifest, and a commit is refused with :class:`CommitFenced` once a writer with a larger
@@ -108,6 +118,12 @@ class SaveConfig:
             raise ValueError(f"snapshot must be 'blocking' or 'overlap', got {self.snapshot!r}")
         if self.direct_io not in ("auto", "on", "off"):
             raise ValueError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
+        nice = self.background_nice
+        if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
+            raise ValueError(f"background_nice must be an integer in [0, 19], got {self.background_nice!r}")
+        rate = self.persist_bytes_per_s
+        if rate is not None and not rate > 0:
+            raise ValueError(f"persist_bytes_per_s must be positive or None, got {rate!r}")
         if self.max_metadata_bytes < 0:
             raise ValueError(f"max_metadata_bytes must be >= 0, got {self.max_metadata_bytes}")
         fence = self.fence
@@ -195,7 +211,13 @@ class Checkpointer:
         self.rank = self.coordinator.rank
         self.world_size = self.coordinator.world_size
         self._on_commit = on_commit
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.config.encode_threads, "ckpt-encode")
+        self._background_nice = _niceness_for(self.config.background_nice)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self.config.encode_threads,
+            "ckpt-encode",
+            initializer=_lower_priority,
+            initargs=(self._background_nice,),
+        )
         self._arena: torch.Tensor | None = None
         self._other_arena: torch.Tensor | None = None  # keep_committed: the buffer not written next
         self._kept: CommittedSnapshot | None = None
@@ -473,13 +495,23 @@ class Checkpointer:
         else:
             for event in ready:
                 event.set()
+        _lower_priority(self._background_nice)  # after the copier started: it must not inherit it
+        rate = self.config.persist_bytes_per_s
+        paced_from = time.perf_counter()
+        paced_bytes = 0
 
         def jobs() -> Iterator[tuple[int, memoryview]]:
+            nonlocal paced_bytes
             for index, (e, v) in enumerate(zip(entries, views, strict=True)):
                 ready[index].wait()
                 start = v.data_ptr() - base if e.region.numel else 0
                 size = e.tensor.element_size()
                 for lo, hi in chunk_bounds(e.region.numel, size, self.config.chunk_bytes):
+                    if rate is not None:
+                        ahead = paced_from + paced_bytes / rate - time.perf_counter()
+                        if ahead > 0:
+                            time.sleep(ahead)
+                        paced_bytes += (hi - lo) * size
                     yield index, arena_bytes[start + lo * size : start + hi * size]
 
         tensors: dict[str, Any] = {
@@ -622,6 +654,30 @@ class Checkpointer:
                 collect_garbage(self.root, policy, protect={info.step})
             except Exception:
                 log.exception("step %d rank 0: retention failed", info.step)
+
+
+def _niceness_for(added: int) -> int | None:
+    """The niceness for background threads: the calling thread's plus ``added`` (``None``: leave
+    them as they are)."""
+    if added <= 0 or not hasattr(os, "getpriority"):
+        return None
+    try:
+        return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + added)
+    except OSError:
+        return None
+
+
+def _lower_priority(niceness: int | None) -> None:
+    """Set the calling thread's niceness to ``niceness`` unless it is that nice already (Linux:
+    niceness is per thread and the threads it starts inherit it). Best effort."""
+    if niceness is None:
+        return
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+    except OSError as exc:
+        log.debug("cannot lower the priority of a checkpoint thread: %s", exc)
 
 
 class _Refused(Exception):
