@@ -160,6 +160,8 @@ def run(cfg: Config, workdir: Path) -> Report:
              "--endpoints", ",".join(etcd.endpoints), "--job", job, "--daemon-id", "months",
              "--lease-ttl", "3", "--tick-interval", "0.2", "--min-nodes", "1", "--max-nodes", str(cfg.nodes),
              "--join-timeout", "600", "--regrow-cooldown", "0", "--stall-timeout", "3600",
+             # a simulated fault is a lost host; its loopback address refuses like a restarting agent's
+             "--agent-restart-grace", "0",
              "--quarantine-window", "0.5",  # an hour or so of simulated time: random faults quarantine nobody
              "--compact-interval", str(cfg.compact_interval), "--keep-ckpt-records", str(cfg.keep_ckpt_records),
              "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)],

@@ -143,6 +143,7 @@ def run_size(n: int, endpoints: list[str], args: argparse.Namespace, log_dir: Pa
         [sys.executable, "-m", "stalwart.cli.main", "--log-level", "warning", "daemon",
          "--endpoints", ",".join(endpoints), "--job", job, "--daemon-id", f"bench-{n}",
          "--min-nodes", "1", "--max-nodes", str(n), "--join-timeout", "600", "--regrow-cooldown", "3600",
+         "--agent-restart-grace", "0",  # a simulated loss is a lost host (its loopback address refuses)
          "--metrics-port", "0"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     watch = KeyWatch(client, job)

@@ -196,7 +196,10 @@ def test_package_uses_no_pickle_and_imports_nothing_else_of_stalwart():
             for name in names:
                 assert "pickle" not in name, path
                 assert not name.startswith("stalwart.") or name.startswith("stalwart.ckpt"), (path, name)
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            # The checkpoint format never pickles; export's ``--to pt`` writes torch's own format on
+            # request (read back with weights_only=True), its one use of torch.save/torch.load.
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" \
+                    and path.name != "export.py":
                 assert node.attr not in ("load", "save"), path
 
 

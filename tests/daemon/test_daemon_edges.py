@@ -286,3 +286,13 @@ def test_host_answers_for_a_listening_or_refusing_host_and_not_for_garbage() -> 
         refused = closed.getsockname()[1]
     assert host_answers(f"127.0.0.1:{refused}")  # the agent is gone, the host is up
     assert not host_answers("not an address")
+
+
+def test_a_standby_asks_the_host_of_a_member_without_a_node_key_from_the_round_record() -> None:
+    asked: list[str] = []
+    feed = Feed(KEYS, host_probe=lambda address: asked.append(address) or True)
+    snap = feed.snapshot([_kv(KEYS.round, codec.encode_round(OPEN, {}, "d1", 1.0), rev=7),
+                          _kv(KEYS.node("a"), _node("a"))], 42)
+    missing = sorted({m.node_id for m in OPEN.members} - {"a"})
+    assert [e for e in snap.events if isinstance(e, LeaseLost)] == [LeaseLost(m, host_up=True) for m in missing]
+    assert asked == [m.address for m in OPEN.members if m.node_id in missing]

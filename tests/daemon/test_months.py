@@ -31,7 +31,8 @@ def test_short_run_prunes_compacts_rotates_and_keeps_retention(tmp_path: Path) -
     report = bench.run(cfg, tmp_path)
     last = report.samples[-1]
     assert report.checkpoints == 64 and report.faults == 16
-    assert report.rounds >= 1 + 2 * report.faults - 2  # a shrink and a regrow per fault (the last may wait)
+    # at least one round per fault: a shrink, and a regrow unless the node came back in the same batch
+    assert report.rounds >= 1 + report.faults
     assert last.ckpt_records == cfg.keep_ckpt_records  # older commit records pruned
     assert last.ckpt_dirs <= cfg.keep_last + 1  # storage under the retention policy
     assert 0 < last.compacted_revision < last.revision  # history compacted
