@@ -20,6 +20,20 @@ def python_child(code: str, *args: str) -> subprocess.Popen[str]:
     )
 
 
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie counts: its parent has not reaped it yet).
+
+    The check and the status read race with the reaper, so a process that vanishes between them
+    counts as gone rather than raising.
+    """
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def wait_for(pred: Callable[[], T], timeout: float, what: str, logs: Path | None = None, *,
              interval: float = 0.02, retry_on: tuple[type[BaseException], ...] = ()) -> T:
     """Poll ``pred`` until it returns something true, and return that.

@@ -24,7 +24,7 @@ from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd
 from stalwart.proto import agent_pb2, records_pb2
-from testkit import wait_for
+from testkit import process_gone, wait_for
 
 WORKER = str(Path(__file__).with_name("reform_worker.py"))
 
@@ -156,7 +156,7 @@ def test_worker_that_ignores_its_reform_is_killed_and_replaced(
     # round 2: another node comes first, so n0's ranks move from 0, 1 to 2, 3 of 4
     _open_round(etcd_client, keys, 2, ["other", "n0"], 29512)
     opened = time.monotonic()
-    wait_for(lambda: not psutil.pid_exists(stubborn) or psutil.Process(stubborn).status() == psutil.STATUS_ZOMBIE,
+    wait_for(lambda: process_gone(stubborn),
              10, "the stubborn worker killed")
     took = time.monotonic() - opened
     assert 1.5 <= took < 1.5 + 2.0, took
@@ -302,7 +302,7 @@ time.sleep(120)
         assert (tmp_path / "spares" / f"spare-{pid}.log").exists()
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
-        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 5,
+        wait_for(lambda: process_gone(pid), 5,
                  "the spare to die with its agent")
     finally:
         if agent.poll() is None:

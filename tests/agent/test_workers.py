@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup
-from testkit import python_child, wait_for
+from testkit import process_gone, python_child, wait_for
 
 ASSIGN = RoundAssignment(round=7, group_rank=1, first_rank=2, local_world_size=2, world_size=6,
                          master_addr="127.0.0.1", master_port=29999, restore_step=40, restart_count=3)
@@ -111,10 +111,10 @@ time.sleep(120)
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
         deadline = time.monotonic() + 5
-        while psutil.pid_exists(spare) and psutil.Process(spare).status() != psutil.STATUS_ZOMBIE:
+        while not process_gone(spare):
             assert time.monotonic() < deadline, "a spare outlived its agent"
             time.sleep(0.05)
-        assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers), "workers died with the agent"
+        assert not any(process_gone(p) for p in workers), "workers died with the agent"
     finally:
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
