@@ -2,8 +2,9 @@
 
 An agent is not part of the computation: when it crashes or is restarted (an upgrade), its
 workers go on training. It keeps a small state file (``<state_dir>/agent-state.json``, written
-atomically after every change of its workers): the node, its lease, the round record and, per
-local rank, the worker's pid and the kernel's start time of that pid. A new agent reads it, keeps
+atomically after every change of its workers): the node, its lease, the round record, per
+local rank the worker's pid and the kernel's start time of that pid, and the same of each warm
+spare (a spare lost with its agent would make the node's next round wait for a cold start). A new agent reads it, keeps
 only the processes that are still the same ones (same pid *and* same start time, so a recycled pid
 is never adopted), resumes the lease if it has not expired, and carries on the round in place.
 
@@ -44,6 +45,13 @@ class WorkerEntry:
 
 
 @dataclass(frozen=True)
+class SpareEntry:
+    pid: int
+    start_time: int
+    log_path: str
+
+
+@dataclass(frozen=True)
 class AgentState:
     job: str
     node_id: str
@@ -51,12 +59,14 @@ class AgentState:
     round: bytes  # the serialized RoundRecord the workers train in (b"": none)
     workers: tuple[WorkerEntry, ...] = field(default_factory=tuple)
     restarts: int = 0
+    spares: tuple[SpareEntry, ...] = field(default_factory=tuple)
 
     def to_json(self) -> bytes:
         doc = asdict(self)
         doc["version"] = STATE_VERSION
         doc["round"] = base64.b64encode(self.round).decode()
         doc["workers"] = [asdict(w) for w in self.workers]
+        doc["spares"] = [asdict(s) for s in self.spares]
         return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
@@ -67,7 +77,8 @@ class AgentState:
                 raise StateFileError(f"version {doc.get('version')!r}, expected {STATE_VERSION}")
             return cls(job=str(doc["job"]), node_id=str(doc["node_id"]), lease_id=int(doc["lease_id"]),
                        round=base64.b64decode(doc["round"]), restarts=int(doc.get("restarts", 0)),
-                       workers=tuple(WorkerEntry(**w) for w in doc["workers"]))
+                       workers=tuple(WorkerEntry(**w) for w in doc["workers"]),
+                       spares=tuple(SpareEntry(**s) for s in doc.get("spares", [])))
         except StateFileError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -123,7 +134,7 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
-def alive_and_same(entry: WorkerEntry) -> bool:
+def alive_and_same(entry: WorkerEntry | SpareEntry) -> bool:
     return process_start_time(entry.pid) == entry.start_time
 
 

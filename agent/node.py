@@ -43,6 +43,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stalwart.agent.adopt import (
     AdoptedProcess,
     AgentState,
+    SpareEntry,
     StateFileError,
     WorkerEntry,
     alive_and_same,
@@ -86,9 +87,10 @@ from stalwart.coord.lease import Lease
 from stalwart.coord.txn import Put
 from stalwart.coord.watch import EventType, Watch
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
-from stalwart.proto.contract import ENV_SOCKET
+from stalwart.proto.contract import ENV_NODE, ENV_SOCKET
 
 log = logging.getLogger(__name__)
+ADOPTED_SPARE_WAIT_S = 3.0  # a restarted agent waits this long at most for its adopted spares to reconnect
 
 
 @dataclass
@@ -185,6 +187,10 @@ class NodeAgent:
             host = socket.getfqdn()
         return f"{host}:{self.port}"
 
+    def _worker_env(self) -> dict[str, str]:
+        """What every worker of this node gets beside torchrun's environment (proto/contract.py)."""
+        return {ENV_SOCKET: str(self.config.socket_path), ENV_NODE: self.config.node_id}
+
     def start(self, cancel: threading.Event | None = None) -> bool:
         """Bind the servers, then register. With ``cancel``, an etcd that does not answer is
         waited for (a warning a try) until it does or ``cancel`` is set (returns False).
@@ -207,6 +213,7 @@ class NodeAgent:
             self._update_readiness()
         self._register(resume=self._adopt())
         self._save_state()
+        self._await_adopted_spares(ADOPTED_SPARE_WAIT_S)
         for exit_ in self._lost_while_away:
             self._worker_exited(exit_)
         self._watch = self._read_and_watch_round()
@@ -303,9 +310,9 @@ class NodeAgent:
         self.spare_pool.paused = True
         if self._handing_off:
             self._save_state_safe()
-            log.info("agent %s: handing off: %d worker(s) train on for the next agent to adopt", self.config.node_id,
-                     len(self._state.group.workers) if self._state.group else 0, extra={"node": self.config.node_id})
-            self.spare_pool.stop_all(0.0)
+            log.info("agent %s: handing off: %d worker(s) train on and %d spare(s) wait for the next agent to adopt",
+                     self.config.node_id, len(self._state.group.workers) if self._state.group else 0,
+                     len(self.spare_pool.workers()), extra={"node": self.config.node_id})
             return
         self._stop_workers("agent shutting down", wait=True)
         self.spare_pool.stop_all(self.config.stop_grace)
@@ -343,6 +350,7 @@ class NodeAgent:
         if saved is None:
             return None
         self._state.restarts = saved.restarts
+        self._adopt_spares(saved)
         live = [e for e in saved.workers if alive_and_same(e)]
         record = records_pb2.RoundRecord.FromString(saved.round) if saved.round else None
         mine = [m for m in record.members if m.node_id == node] if record is not None else []
@@ -352,7 +360,7 @@ class NodeAgent:
             return saved.lease_id
         assignment = self._assignment(record, mine[0])
         group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
-                            extra_env={ENV_SOCKET: str(self.config.socket_path)}, cwd=self.config.cwd,
+                            extra_env=self._worker_env(), cwd=self.config.cwd,
                             spawn_missing=False)
         now = time.monotonic()
         with self._lock:
@@ -377,6 +385,35 @@ class NodeAgent:
         log.info("agent %s: adopted %d worker(s) of round %d from the agent before (%d died meanwhile)", node,
                  len(live), record.number, len(self._lost_while_away), extra={"node": node, "round": record.number})
         return saved.lease_id
+
+    def _adopt_spares(self, saved: AgentState) -> None:
+        """The warm spares the agent before left (they reconnect and say they are warm)."""
+        adopted = 0
+        for e in saved.spares:
+            if not alive_and_same(e):
+                continue
+            spare = Worker(-1, -1, AdoptedProcess(e.pid), Path(e.log_path), spare=True, on_exit=self._spare_exited)
+            self._start_times[e.pid] = e.start_time
+            self.spare_pool.add(spare)
+            spare.watch()
+            adopted += 1
+        if saved.spares:
+            log.info("agent %s: adopted %d of %d spare(s) from the agent before", self.config.node_id, adopted,
+                     len(saved.spares), extra={"node": self.config.node_id})
+
+    def _await_adopted_spares(self, timeout: float) -> None:
+        """Give adopted spares a moment to reconnect before the first round is applied: a rank
+        to fill would otherwise go to a cold new process while a warm spare is seconds away."""
+        deadline = time.monotonic() + timeout
+        while True:
+            waiting = [s.pid for s in self.spare_pool.status() if not s.ready]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                log.warning("agent %s: adopted spare(s) %s did not reconnect within %.1f s", self.config.node_id,
+                            waiting, timeout, extra={"node": self.config.node_id})
+                return
+            time.sleep(0.02)
 
     def _save_state_safe(self) -> None:
         try:
@@ -404,9 +441,17 @@ class NodeAgent:
                         self._start_times[w.pid] = start
                     entries.append(WorkerEntry(w.local_rank, w.rank, w.pid, start, str(w.log_path),
                                                w.pid in self._state.can_reform))
+            spares = []
+            for w in self.spare_pool.workers():
+                if not w.running or w.stopping:
+                    continue
+                start = self._start_times.get(w.pid) or process_start_time(w.pid)
+                if start is not None:
+                    self._start_times[w.pid] = start
+                    spares.append(SpareEntry(w.pid, start, str(w.log_path)))
             state = AgentState(self.config.job, self.config.node_id, lease.id,
                                record.SerializeToString() if record is not None else b"", tuple(entries),
-                               self._state.restarts)
+                               self._state.restarts, tuple(spares))
         raw = state.to_json()
         if raw != self._saved_state:
             self._state_file.parent.mkdir(parents=True, exist_ok=True)
@@ -512,7 +557,7 @@ class NodeAgent:
         assignment = self._assignment(record, mine[0])
         now = time.monotonic()
         group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
-                            extra_env={ENV_SOCKET: str(self.config.socket_path)}, cwd=self.config.cwd)
+                            extra_env=self._worker_env(), cwd=self.config.cwd)
         with self._lock:
             self._state.group = group
             self._state.worker_findings = []
@@ -573,7 +618,7 @@ class NodeAgent:
                 self.stalls.forget(w.rank)
             self._state.pending = {}
             group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
-                                extra_env={ENV_SOCKET: str(self.config.socket_path)}, cwd=self.config.cwd,
+                                extra_env=self._worker_env(), cwd=self.config.cwd,
                                 reuse=keep, spawn_missing=False)
             self._state.group = group
             self._state.round = record
@@ -729,7 +774,7 @@ class NodeAgent:
 
     def _start_spare(self) -> Worker:
         return start_spare(self.config.command, self.config.log_dir, self._spare_exited,
-                           extra_env={ENV_SOCKET: str(self.config.socket_path)}, cwd=self.config.cwd)
+                           extra_env=self._worker_env(), cwd=self.config.cwd)
 
     def _maintain_spares(self) -> None:
         if self.spare_pool.wanted and not self._state.draining and self._spares_may_start():

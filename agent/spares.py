@@ -64,6 +64,17 @@ class SparePool:
                     self._spares[worker.pid] = worker
             started.append(worker)
 
+    def add(self, worker: Worker) -> None:
+        """Take a running spare this agent did not start (one the agent before left)."""
+        with self._lock:
+            if worker.running:
+                self._spares[worker.pid] = worker
+
+    def workers(self) -> list[Worker]:
+        """The spares, running or not yet booked as exited (oldest first)."""
+        with self._lock:
+            return sorted(self._spares.values(), key=lambda w: w.started_at)
+
     def ready(self, pid: int) -> bool:
         """A spare connected and waits for an assignment; False if ``pid`` is not one of ours."""
         with self._lock:

@@ -225,15 +225,16 @@ def _spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: 
 def start_spare(command: Sequence[str], log_dir: Path, on_exit: Callable[[WorkerExit], None], *,
                 extra_env: Mapping[str, str] | None = None, cwd: str | None = None) -> Worker:
     """Start a warm spare: the worker command with ``STALWART_SPARE=1`` and no rank. It imports
-    and builds what it can, then waits on the progress channel for a rank. Like a worker it gets
-    the parent-death signal, so create it from the agent's main loop thread."""
+    and builds what it can, then waits on the progress channel for a rank. Like a worker it
+    outlives its agent (a restarted agent adopts it; one gone for good orphans it, and it stops
+    itself after ``STALWART_ORPHAN_TIMEOUT``)."""
     env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
     env.update(extra_env or {})
     env[ENV_SPARE] = "1"
     spare_dir = log_dir / "spares"
     spare_dir.mkdir(parents=True, exist_ok=True)
     log_path = spare_dir / f"spare-{time.time_ns()}.log"
-    proc = _spawn(command, env, log_path, cwd, die_with_agent=True)
+    proc = _spawn(command, env, log_path, cwd)
     final = spare_dir / f"spare-{proc.pid}.log"
     try:
         log_path.rename(final)  # the open file follows the rename

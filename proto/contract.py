@@ -12,6 +12,7 @@ from typing import Final
 
 __all__ = [
     "ENV_COLLECTIVE_TIMER",
+    "ENV_NODE",
     "ENV_RESTORE_STEP",
     "ENV_ROUND",
     "ENV_SOCKET",
@@ -32,6 +33,10 @@ record, read by agents: such a round stays closed, so its workers are stopped, n
 ENV_SOCKET: Final = "STALWART_AGENT_SOCKET"
 """Path of the agent's unix socket, the progress channel (``stalwart.v1.Progress``). Unset: the
 process runs without an agent and reports nothing."""
+
+ENV_NODE: Final = "STALWART_NODE"
+"""The node id of the worker's agent: which ranks share a node (the trainer places each rank's
+peer replica on another node)."""
 
 ENV_ORPHAN_TIMEOUT: Final = "STALWART_ORPHAN_TIMEOUT"
 """Seconds a worker trains on without its agent (crashed, restarting) before it takes itself for

@@ -112,8 +112,8 @@ class AgentClient:
         self._thread.start()
 
     def _hello(self) -> agent_pb2.Hello:
-        if self.spare:
-            return agent_pb2.Hello(pid=os.getpid(), spare=True, can_reform=True)
+        if self.spare:  # warm already when it reconnects to a restarted agent
+            return agent_pb2.Hello(pid=os.getpid(), spare=True, can_reform=True, warm=self._said_warm)
         return agent_pb2.Hello(rank=self.rank, local_rank=self.local_rank, round=self.round, pid=os.getpid(),
                                can_reform=self._reform_handler is not None)
 

@@ -23,6 +23,7 @@ from testkit import wait_for
 
 STALWART = str(Path(sys.executable).with_name("stalwart"))
 WORKER = str(Path(__file__).with_name("worker_script.py"))
+SPARE_WORKER = str(Path(__file__).with_name("reform_worker.py"))
 
 
 def _write_config(path: Path, etcd: LocalEtcd, job: str, state: Path, extra: str = "") -> Path:
@@ -170,6 +171,59 @@ def test_ready_and_watchdog_then_a_crashed_or_restarted_agents_workers_train_on_
             with contextlib.suppress(psutil.NoSuchProcess):
                 w.kill()
         sock.close()
+        err.close()
+
+
+def test_a_warm_spare_outlives_a_crashed_agent_and_the_successor_adopts_it(
+        tmp_path: Path, etcd_server: LocalEtcd, etcd_client: EtcdClient) -> None:
+    """A spare lost with its agent would make the node's next round wait for a cold start (the
+    demo saw 4 s of the world waiting): it trains on like a worker and the next agent takes it."""
+    job = f"spare-{os.getpid()}-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    cfg = _write_config(tmp_path / "agent.toml", etcd_server, job, tmp_path / "state", extra="lease_ttl = 60")
+    text = cfg.read_text().replace(WORKER, SPARE_WORKER).replace("workers = 2", "workers = 1\nspares = 1")
+    cfg.write_text(text)
+    err = open(tmp_path / "agent.err", "ab")
+    env = dict(os.environ, EVENTS=str(tmp_path / "events"))
+    start = lambda: subprocess.Popen([STALWART, "--log-level", "info", "agent", "--config", str(cfg)],  # noqa: E731
+                                     env=env, stdout=subprocess.DEVNULL, stderr=err)
+    agent = start()
+    spare: psutil.Process | None = None
+    try:
+        wait_for(lambda: _node(etcd_client, keys) is not None, 30, "the agent registered", tmp_path)
+        address = _node(etcd_client, keys).address  # type: ignore[union-attr]
+        record = records_pb2.RoundRecord(number=1, world_size=1, master_addr="127.0.0.1", master_port=1)
+        record.members.add(node_id="proc0", node_rank=0, first_rank=0, local_world_size=1, address=address)
+        etcd_client.put(keys.round, record.SerializeToString())  # spares start once the worker steps
+        wait_for(lambda: any(s.ready for s in _status(address).spares), 60, "a warm spare", tmp_path)
+        (pid,) = [s.pid for s in _status(address).spares]
+        spare = psutil.Process(pid)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        time.sleep(0.5)
+        assert spare.is_running(), "the spare died with its agent"
+        agent = start()
+
+        def adopted() -> bool:
+            node = _node(etcd_client, keys)
+            try:
+                return node is not None and [(s.pid, s.ready) for s in _status(node.address).spares] == [(pid, True)]
+            except grpc.RpcError:
+                return False
+
+        wait_for(adopted, 30, "the successor holding the same spare, connected again", tmp_path)
+        assert "adopted 1 of 1 spare(s)" in (tmp_path / "agent.err").read_text()
+        agent.send_signal(signal.SIGTERM)  # a stop: the spare goes with it
+        assert agent.wait(timeout=30) == 0
+        _, alive = psutil.wait_procs([spare], timeout=15)
+        assert not alive, "a stopped agent left its spare running"
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+        if spare is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                spare.kill()
         err.close()
 
 

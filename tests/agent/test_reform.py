@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from prometheus_client import generate_latest
 
@@ -282,31 +281,6 @@ def test_faults_stalls_and_drain_reach_reformed_workers_and_spares(
     wait_for(lambda: not agent.status().spares, 10, "spares stopped")
     time.sleep(1.0)
     assert not agent.status().spares and not _workers(agent, 3)
-
-
-def test_spares_die_with_the_agent(tmp_path: Path) -> None:
-    from testkit import python_child
-
-    agent = python_child(f"""
-import sys, time
-from pathlib import Path
-from stalwart.agent.workers import start_spare
-s = start_spare([sys.executable, "-c", "import time; time.sleep(120)"], Path({str(tmp_path)!r}), print)
-print(s.pid, flush=True)
-time.sleep(120)
-""")
-    try:
-        assert agent.stdout is not None
-        pid = int(agent.stdout.readline())
-        assert psutil.pid_exists(pid)
-        assert (tmp_path / "spares" / f"spare-{pid}.log").exists()
-        os.kill(agent.pid, signal.SIGKILL)
-        agent.wait()
-        wait_for(lambda: process_gone(pid), 5,
-                 "the spare to die with its agent")
-    finally:
-        if agent.poll() is None:
-            agent.kill()
 
 
 def test_client_reform_handler_gets_pending_reforms_and_spare_needs_an_agent() -> None:
