@@ -69,11 +69,14 @@ class Feed:
     """
 
     def __init__(self, keys: JobKeys, on_ignored: Callable[[str, str], None] | None = None,
-                 host_probe: Callable[[str], bool] | None = None) -> None:
+                 host_probe: Callable[[str], bool] | None = None,
+                 agent_probe: Callable[[str], bool] | None = None) -> None:
         self.keys = keys
         # host_probe(address): whether the host of an agent address still answers (I/O: set by
         # the loop); asked only for a member whose lease is lost without a planned leave.
         self.host_probe = host_probe
+        # agent_probe(address): whether the agent at that address accepts a connection (I/O)
+        self.agent_probe = agent_probe
         self.agent_addresses: dict[str, str] = {}
         self.registered: set[str] = set()
         self.known: set[str] = set()
@@ -235,6 +238,15 @@ class Feed:
             log.exception("host probe of node %s at %s failed", node_id, address)
             return False
 
+    def _agent_gone(self, node_id: str, address: str) -> bool:
+        if self.agent_probe is None or not address:
+            return False
+        try:
+            return not self.agent_probe(address)
+        except Exception:  # a probe that fails says nothing: no confirmation
+            log.exception("agent probe of node %s at %s failed", node_id, address)
+            return False
+
     def _health(self, node_id: str, value: bytes) -> list[Event]:
         if not self._is_registered(node_id, "health"):
             return []
@@ -259,7 +271,8 @@ class Feed:
         if lost and lost_round == self.round_number and node_id in self.members \
                 and self._lost_peers.get(node_id) != (lost_round, lost):
             self._lost_peers[node_id] = (lost_round, lost)
-            out.append(PeersLost(node_id, lost_round, lost))
+            confirmed = frozenset(n for n in lost if self._agent_gone(n, self.agent_addresses.get(n, "")))
+            out.append(PeersLost(node_id, lost_round, lost, confirmed))
         replacing = codec.decode_replacing(node_id, value)
         if replacing != (node_id in self._replacing):  # before the failure: one batch, one new round
             (self._replacing.add if replacing else self._replacing.discard)(node_id)

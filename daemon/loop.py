@@ -260,7 +260,7 @@ class Daemon:
         """Steps 2 of the protocol: one read of the job, a resumed machine, its first decisions."""
         kvs, revision = self._timed("get_prefix", lambda: self.client.get_prefix(self.keys.prefix))
         feed = Feed(self.keys, on_ignored=lambda kind, why: self.metrics.ignored.labels(kind).inc(),
-                    host_probe=host_answers)
+                    host_probe=host_answers, agent_probe=agent_answers)
         snap = feed.snapshot(kvs, revision)
         now, wall = self._clock(), self._wall()
         number = snap.round.number if snap.round else 0
@@ -609,6 +609,16 @@ class Daemon:
     def _timed(self, op: str, fn: Callable[[], T]) -> T:
         with self.metrics.etcd_latency.labels(op).time():
             return fn()
+
+
+def agent_answers(address: str, timeout: float = 0.3) -> bool:
+    """Whether an agent's ``host:port`` accepts a TCP connection (refused or no answer: gone)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def host_answers(address: str, timeout: float = 0.3) -> bool:

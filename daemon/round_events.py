@@ -146,6 +146,9 @@ class PeersLost:
     node_id: str
     round: int
     lost: frozenset[str] = field(default_factory=frozenset)
+    # those of ``lost`` whose agent the daemon itself found gone (its port accepts no connection):
+    # one peer's report and the daemon's own check suffice, no majority is needed
+    confirmed: frozenset[str] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True)

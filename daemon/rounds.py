@@ -336,8 +336,11 @@ class RoundMachine:
         # is no fault: a rolling restart must not quarantine the nodes it restarts.
         rnd = self.state.round
         grace = self.policy.agent_restart_grace
+        # A node whose peers' workers lost it is not only restarting its agent: no grace for it.
+        reports = self._lost_reports.get(rnd.number, {}) if rnd is not None else {}
+        accused = any(rec.node_id in lost for lost in reports.values())
         if ev.host_up and not ev.planned and grace > 0 and rnd is not None and rnd.training \
-                and self._in_round(rec.node_id) and rec.state not in HELD:
+                and self._in_round(rec.node_id) and rec.state not in HELD and not accused:
             # Only the agent is gone: its workers may train on, and its successor adopts them.
             # Keep the node in the world (not eligible for a new one) while that can happen.
             rec.registered = False
@@ -484,8 +487,10 @@ class RoundMachine:
 
     def _on_peers_lost(self, ev: PeersLost, now: float) -> None:
         """Members whose workers' collectives broke on a node that no longer answers: once a
-        strict majority of the other members say so, the node is lost now, without waiting for its
-        lease. It cannot go on training or commit alone (a commit needs every rank of its round),
+        strict majority of the other members say so, or one does and the daemon's own check finds
+        the node's agent gone, the node is lost now, without waiting for its lease (at scale only
+        a lost rank's neighbours in a collective see it fail; the others see a survivor cut its
+        connections). It cannot go on training or commit alone (a commit needs every rank of its round),
         and it is left out of the next round only; if it is alive after all, it rejoins by the
         regrow rule."""
         rnd = self.state.round
@@ -500,7 +505,7 @@ class RoundMachine:
                 continue
             others = [m for m in rnd.members if m != accused and self.state.nodes[m].eligible]
             accusers = [m for m in others if accused in reports.get(m, frozenset())]
-            if others and 2 * len(accusers) > len(others):
+            if others and (2 * len(accusers) > len(others) or accused in ev.confirmed):
                 rec = self.state.nodes[accused]
                 if rec.health is Health.HEALTHY and rec.state not in HELD:
                     self._fault(rec, now, "lost by its peers")

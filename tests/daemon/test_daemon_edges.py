@@ -273,6 +273,35 @@ def test_a_members_lost_lease_asks_whether_its_host_still_answers() -> None:
     assert asked == ["a.x:7077", "b.x:7077"]  # not asked for a node outside the world
 
 
+def test_a_lost_peer_report_is_confirmed_by_probing_the_accused_agents() -> None:
+    from stalwart.daemon.round_events import PeersLost
+
+    asked: list[str] = []
+    feed = Feed(KEYS, agent_probe=lambda address: asked.append(address) or address == "b.x:7077")
+    feed.snapshot([], 1)
+    feed.members, feed.round_number = frozenset({"a", "b", "c"}), 1
+    feed.convert([_put(KEYS.node(n), _node(n)) for n in ("a", "b", "c")])
+    report = records_pb2.HealthRecord(node_id="c", lost_peers=["a", "b"],
+                                      lost_peers_round=1).SerializeToString()
+    events = [e for e in feed.convert([_put(KEYS.health("c"), report)]) if isinstance(e, PeersLost)]
+    assert events == [PeersLost("c", 1, frozenset({"a", "b"}), confirmed=frozenset({"a"}))]  # b's agent answers
+    assert sorted(asked) == ["a.x:7077", "b.x:7077"]
+
+
+def test_agent_answers_only_when_the_port_accepts() -> None:
+    from stalwart.daemon.loop import agent_answers
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert agent_answers(f"127.0.0.1:{listening.getsockname()[1]}")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        refused = closed.getsockname()[1]
+    assert not agent_answers(f"127.0.0.1:{refused}")
+    assert not agent_answers("not an address")
+
+
 def test_host_answers_for_a_listening_or_refusing_host_and_not_for_garbage() -> None:
     # (A host that does not answer at all, a cut link, is the chaos network-cut fault's case.)
     from stalwart.daemon.loop import host_answers

@@ -742,6 +742,27 @@ def test_a_member_lost_by_a_majority_of_its_peers_leaves_at_once_without_waiting
     assert LOST_BY_PEERS_HOLD > 5
 
 
+def test_one_peers_report_suffices_when_the_daemon_finds_the_agent_gone_and_ends_any_grace() -> None:
+    """In a ring all-reduce only a lost rank's neighbours see it fail; the others see a survivor
+    cut its connections and blame that one (which answers). One accuser, confirmed by the daemon's
+    own probe of the accused agent, is enough; and a lease lost afterwards gets no restart grace."""
+    from stalwart.daemon.round_events import PeersLost
+
+    sim = Sim(regrow_cooldown=0.0, agent_restart_grace=10.0)
+    sim.start("a", "b", "c")
+    sim.progress(1, 1.0)
+    assert sim.send(PeersLost("b", 1, frozenset({"a"}))) == []  # unconfirmed: one of two is not enough
+    opened = only_round(sim.send(PeersLost("b", 1, frozenset({"a"}), confirmed=frozenset({"a"}))))
+    assert ids(opened) == ["b", "c"] and "node a lost" in opened.reason
+
+    sim = Sim(regrow_cooldown=0.0, agent_restart_grace=10.0)
+    sim.start("a", "b", "c")
+    sim.progress(1, 1.0)
+    assert sim.send(PeersLost("b", 1, frozenset({"a"}))) == []
+    opened = only_round(sim.send(LeaseLost("a", host_up=True), 0.5))  # accused: not a restarting agent
+    assert ids(opened) == ["b", "c"]
+
+
 def test_a_member_lost_by_its_peers_but_alive_rejoins_after_the_hold() -> None:
     from stalwart.daemon.round_events import PeersLost
     from stalwart.daemon.rounds import LOST_BY_PEERS_HOLD
