@@ -156,22 +156,29 @@ class FaultTrial:
     detail: str
     case: str = ""  # the cluster shape, e.g. "3 nodes" or "2 nodes + spare"
     phases: dict[str, float] = field(default_factory=dict)  # stalwart in place: seconds from the fault
+    # stalwart: the first restore after the fault, bytes over the world's ranks by source
+    restore: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Case:
-    """One row of the table: a fault on a cluster shape, for stalwart (in place or restarting)."""
+    """One row of the table: a fault on a cluster shape, for stalwart (in place or restarting),
+    with or without peer replicas, storage reads as they are or throttled."""
 
     kind: str
     nodes: int = 3
     spares: int = 0
     reform_in_place: bool = True
+    peer_replicas: int = 1
+    throttled: bool = False  # restore reads from storage at --throttle-mbps per rank
 
     @property
     def label(self) -> str:
         spare = f" + {self.spares} spare" if self.spares else ""
         mode = "" if self.reform_in_place else ", restart"
-        return f"{self.nodes} nodes{spare}{mode}"
+        peers = "" if self.kind != "kill-node" else (", peers" if self.peer_replicas else ", storage")
+        slow = ", throttled" if self.throttled else ""
+        return f"{self.nodes} nodes{spare}{mode}{peers}{slow}"
 
 
 def _phases(steps_log: Path, fault_at: float, decided_at: float | None) -> dict[str, float]:
@@ -201,7 +208,7 @@ def _phases(steps_log: Path, fault_at: float, decided_at: float | None) -> dict[
     return out
 
 
-def stalwart_trial(case: Case, workdir: Path, index: int, timeout: float) -> FaultTrial:
+def stalwart_trial(case: Case, workdir: Path, index: int, timeout: float, throttle_mbps: float = 1.0) -> FaultTrial:
     from stalwart.chaos.netns import unavailable_reason
     from stalwart.chaos.runner import Runner
     from stalwart.chaos.scenario import from_mapping
@@ -209,16 +216,19 @@ def stalwart_trial(case: Case, workdir: Path, index: int, timeout: float) -> Fau
     kind = case.kind
     if kind == "network-cut" and unavailable_reason():
         return FaultTrial("stalwart", kind, None, None, str(unavailable_reason()), case.label)
-    chaos_kind = "kill-agent" if kind == "kill-node" else kind
     victim = f"node{case.nodes - 1}"
     scenario = from_mapping({
         "name": f"bench-{kind}", "seed": index,
         "cluster": {"etcd_members": 1, "daemons": 1, "nodes": case.nodes, "workers_per_node": 1, "lease_ttl": 2,
-                    "spares": case.spares, "reform_in_place": case.reform_in_place},
-        "job": {**JOB, "steps": FAULT_AT_STEP + 50},
-        "fault": [{"kind": chaos_kind, "at_step": FAULT_AT_STEP, "node": victim, "duration": 4.0}],
+                    "spares": case.spares, "reform_in_place": case.reform_in_place,
+                    # a node of its own address, as on separate hosts: its survivors can name it lost
+                    "node_network": kind == "kill-node"},
+        "job": {**JOB, "steps": FAULT_AT_STEP + 50, "peer_replicas": case.peer_replicas,
+                "restore_read_mbps": throttle_mbps if case.throttled else 0.0},
+        "fault": [{"kind": kind, "at_step": FAULT_AT_STEP, "node": victim, "duration": 4.0}],
     })
-    work = workdir / f"stalwart-{kind}-{case.nodes}-{case.spares}-{int(case.reform_in_place)}-{index}"
+    work = workdir / (f"stalwart-{kind}-{case.nodes}-{case.spares}-{int(case.reform_in_place)}-"
+                      f"{case.peer_replicas}-{int(case.throttled)}-{index}")
     runner = Runner(scenario, work, progress=lambda line: None, timeout=timeout + 150, reference=False)
     report = runner.run()
     if not report.faults:
@@ -229,8 +239,11 @@ def stalwart_trial(case: Case, workdir: Path, index: int, timeout: float) -> Fau
     t0 = json_first_t(work / "run" / "steps.jsonl", report)
     phases = _phases(work / "run" / "steps.jsonl", t0 + f.injected_at,
                      None if first_new is None or first_new.decided_at is None else t0 + first_new.decided_at)
+    after = next((r for r in report.restores if r.t > f.injected_at), None)
+    restore = {} if after is None else {"step": after.step, "own_memory": after.own_memory_bytes,
+                                        "peer_memory": after.peer_memory_bytes, "storage": after.storage_bytes}
     return FaultTrial("stalwart", kind, f.detection_s, f.recovery_s,
-                      "resumed" if not failed else f"checks failed: {failed}", case.label, phases)
+                      "resumed" if not failed else f"checks failed: {failed}", case.label, phases, restore)
 
 
 def json_first_t(steps_log: Path, report: object) -> float:
@@ -318,7 +331,9 @@ def torchrun_trial(case: Case, workdir: Path, index: int, timeout: float) -> Fau
 CASES = {
     "kill-worker": [Case("kill-worker", nodes=2, spares=1), Case("kill-worker", nodes=3),
                     Case("kill-worker", nodes=3, reform_in_place=False)],
-    "kill-node": [Case("kill-node", nodes=3)],
+    "kill-node": [Case("kill-node", nodes=3), Case("kill-node", nodes=3, peer_replicas=0),
+                  Case("kill-node", nodes=3, throttled=True),
+                  Case("kill-node", nodes=3, peer_replicas=0, throttled=True)],
     "hang-worker": [Case("hang-worker", nodes=3)],
     "network-cut": [Case("network-cut", nodes=3)],
 }
@@ -341,15 +356,18 @@ def faults_suite(args: argparse.Namespace) -> int:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stalwart-faults-")))
         for kind in kinds:
             runs: list[tuple[str, Case]] = [("stalwart", c) for c in CASES[kind]]
-            runs += [("c10d", c) for c in {(c.nodes): c for c in CASES[kind] if c.reform_in_place}.values()]
+            runs += [("c10d", c) for c in {(c.nodes): c for c in CASES[kind]
+                                           if c.reform_in_place and c.peer_replicas and not c.throttled}.values()]
             runs = [(system, c) for system, c in runs if system in args.systems.split(",")
                     and (c.reform_in_place or not args.skip_restart)
                     and (not args.nodes or c.nodes in [int(n) for n in args.nodes.split(",")])]
             for system, case in runs:
                 n = args.trials if system == "stalwart" else args.c10d_trials
                 for i in range(n):
-                    fn = stalwart_trial if system == "stalwart" else torchrun_trial
-                    t = fn(case, workdir, i, args.timeout)
+                    if system == "stalwart":
+                        t = stalwart_trial(case, workdir, i, args.timeout, args.throttle_mbps)
+                    else:
+                        t = torchrun_trial(case, workdir, i, args.timeout)
                     trials.append(t)
                     print(f"[{kind} {system} {t.case} {i + 1}/{n}] detected {fmt(t.detected_s)} s, "
                           f"resumed {fmt(t.resumed_s)} s: {t.detail}", flush=True)
@@ -371,6 +389,9 @@ def faults_suite(args: argparse.Namespace) -> int:
             "resume_max_s": max((t.resumed_s for t in mine if t.resumed_s is not None), default=None),
             "phases_median_s": {p: med([t.phases.get(p) for t in mine]) for p in PHASES
                                 if any(p in t.phases for t in mine)},
+            "restore_bytes_median": {k: med([t.restore.get(k) for t in mine])  # type: ignore[misc]
+                                     for k in ("own_memory", "peer_memory", "storage")
+                                     if any(k in t.restore for t in mine)},
         }
         summary.append(row)
     for row in summary:  # stalwart's median beside torchrun's on the same fault and node count
@@ -388,6 +409,27 @@ def faults_suite(args: argparse.Namespace) -> int:
               f"{fmt(r['detect_median_s']):>7} {fmt(r['resume_median_s']):>8} {fmt(r['resume_max_s']):>6} "
               f"{fmt(r['ratio_to_c10d']):>6}   {phases}")
     print("(medians in seconds from the fault; ratio = stalwart resumed / c10d resumed with the same node count)")
+    nodes_lost = [r for r in summary if r["kind"] == "kill-node" and r["system"] == "stalwart"]
+    if nodes_lost:
+        print(f"\nkill-node restores (medians; storage throttled to {args.throttle_mbps:g} MB/s per rank "
+              "where marked):")
+        fmtb = lambda v: f"{int(v):,}" if v is not None else "-"  # noqa: E731
+        print(f"{'case':<34} {'own memory B':>13} {'peer memory B':>14} {'storage B':>10} {'restore s':>10} "
+              f"{'resumed s':>10}")
+        for r in nodes_lost:
+            b, ph = r["restore_bytes_median"], r["phases_median_s"]
+            took = ph["restored"] - ph["engine_built"] if "restored" in ph and "engine_built" in ph else None  # type: ignore[operator]
+            r["restore_s_median"] = took
+            print(f"{r['case']:<34} {fmtb(b.get('own_memory')):>13} {fmtb(b.get('peer_memory')):>14} "  # type: ignore[attr-defined]
+                  f"{fmtb(b.get('storage')):>10} {fmt(took):>10} {fmt(r['resume_median_s']):>10}")  # type: ignore[attr-defined]
+        for slow in (False, True):
+            same = [r for r in nodes_lost if ("throttled" in str(r["case"])) == slow]
+            peer = next((r for r in same if "peers" in str(r["case"])), None)
+            disk = next((r for r in same if "storage" in str(r["case"])), None)
+            if peer and disk and isinstance(peer.get("restore_s_median"), float) and \
+                    isinstance(disk.get("restore_s_median"), float) and peer["restore_s_median"] > 0:
+                ratio = disk["restore_s_median"] / peer["restore_s_median"]  # type: ignore[operator]
+                print(f"restore from storage / from peers{' (throttled)' if slow else ''}: {ratio:.1f}x")
     out = Path(args.out or REPO / "bench" / "results" / "faults.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"summary": summary, "trials": [asdict(t) for t in trials], "job": JOB,
@@ -411,6 +453,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="JSON path (default: bench/results/<suite>.json)")
     parser.add_argument("--skip-restart", action="store_true",
                         help="faults suite: leave out stalwart's restart-everything cases")
+    parser.add_argument("--throttle-mbps", type=float, default=1.0,
+                        help="faults suite: restore reads from storage per rank in the throttled kill-node cases")
     parser.add_argument("--keep", default=None, help="faults suite: run in this folder and keep it (logs, records)")
     args = parser.parse_args()
     # SIGTERM unwinds like Ctrl-C, so every trial's processes are torn down by its ``finally``.

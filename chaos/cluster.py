@@ -31,6 +31,7 @@ from stalwart.coord.errors import CoordError
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd, die_with_parent, free_port
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
+from stalwart.proto.contract import ENV_NODE, ENV_SOCKET
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,8 @@ class LocalCluster:
         self.steps_log = workdir / "steps.jsonl"
         # Namespaces only when a fault needs them: they need root, and loopback is simpler to debug.
         self.net = (NodeNetwork(scenario.node_names())
-                    if scenario.uses("network-cut") and unavailable_reason() is None else None)
+                    if (scenario.uses("network-cut") or scenario.cluster.node_network) and unavailable_reason() is None
+                    else None)
         self.ckpt_tmpfs = scenario.uses("fill-disk") and os.geteuid() == 0
         self.etcd = LocalEtcd(workdir / "etcd", scenario.cluster.etcd_members,
                               host=self.net.host_ip if self.net else "127.0.0.1")
@@ -139,7 +141,9 @@ class LocalCluster:
                 "--global-batch", str(j.global_batch), "--micro-batch", str(j.micro_batch),
                 "--dataset-len", str(j.samples), "--zero-stage", str(j.zero_stage),
                 "--save-every", str(j.checkpoint_every), "--steps-log", str(self.steps_log),
-                "--step-sleep", str(j.step_time), "--dropout", "0", "--max-rollbacks", str(j.max_rollbacks)]
+                "--step-sleep", str(j.step_time), "--dropout", "0", "--max-rollbacks", str(j.max_rollbacks),
+                *(("--peer-replicas", str(j.peer_replicas)) if j.peer_replicas != 1 else ()),
+                *(("--restore-read-mbps", str(j.restore_read_mbps)) if j.restore_read_mbps > 0 else ())]
 
     def start_agent(self, node: str) -> None:
         c = self.scenario.cluster
@@ -218,6 +222,25 @@ class LocalCluster:
         proc = self.agents[node]
         proc.popen.send_signal(signal.SIGKILL)  # its workers train on (they are not in its process group)
         proc.popen.wait(timeout=10)
+
+    def kill_node(self, node: str) -> int:
+        """Lose a whole node: SIGKILL its agent and every process it started (workers, spares),
+        found by the node id the agent gives them (``STALWART_NODE``) and the agent's socket
+        under this cluster's work folder. Returns how many worker processes were killed."""
+        kill_tree(self.agents[node].popen.pid)
+        self.agents[node].popen.wait(timeout=10)
+        roots = (str(self.workdir), str(self.workdir.resolve()))
+        victims = []
+        for proc in psutil.process_iter():
+            try:
+                env = proc.environ()
+            except (psutil.Error, OSError):
+                continue
+            if env.get(ENV_NODE) == node and env.get(ENV_SOCKET, "").startswith(roots):
+                victims.append(proc)
+        for proc in victims:
+            kill_tree(proc.pid)
+        return len(victims)
 
     def restart_agent_handoff(self, node: str) -> None:
         """The first half of ``systemctl restart``: the unit's RestartKillSignal (SIGUSR1), after

@@ -57,6 +57,18 @@ class RoundChange:
     members: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class RestoreSource:
+    """Where one world's restore took its state from (bytes summed over its ranks)."""
+
+    t: float
+    step: int
+    world_size: int
+    own_memory_bytes: int  # each rank's own host copy of its last committed part
+    peer_memory_bytes: int  # buddy replicas: copies held for other ranks, or pulled from peers
+    storage_bytes: int  # read from the checkpoint files
+
+
 @dataclass
 class RunReport:
     scenario: str
@@ -76,6 +88,7 @@ class RunReport:
     badput: dict[str, float] = field(default_factory=dict)  # seconds by cause (chaos/badput.py)
     normal_step_s: float = 0.0
     bands: list[tuple[str, float, float]] = field(default_factory=list)  # (cause, start, end) of lost time
+    restores: list[RestoreSource] = field(default_factory=list)
 
     def account(self) -> None:
         """Charge the run's lost time to its faults and causes (``chaos/badput.py``)."""
@@ -166,6 +179,11 @@ def markdown(report: RunReport, picture: str | None) -> str:
                 lines.append(f"| {cause} | {v:.2f} | {v / report.wall_s:.1%} |")
     lines += ["", "| round | at s | world size | reason |", "|---|---|---|---|"]
     lines += [f"| {r.number} | {r.t:.2f} | {r.world_size} | {r.reason} |" for r in report.rounds]
+    if report.restores:
+        lines += ["", "Restores, by source (bytes over the world's ranks):", "",
+                  "| at s | step | world size | own memory | peer memory | storage |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r.t:.2f} | {r.step} | {r.world_size} | {r.own_memory_bytes:,} | {r.peer_memory_bytes:,} | "
+                  f"{r.storage_bytes:,} |" for r in report.restores]
     lines += ["", "| check | result |", "|---|---|"]
     lines += [f"| {name} | {'ok' if ok else 'FAILED'} |" for name, ok in report.checks.items()]
     if report.notes:

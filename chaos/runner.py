@@ -22,7 +22,7 @@ from pathlib import Path
 
 from stalwart.chaos.cluster import LocalCluster
 from stalwart.chaos.netns import unavailable_reason
-from stalwart.chaos.report import FaultRecord, RoundChange, RunReport, Sample
+from stalwart.chaos.report import FaultRecord, RestoreSource, RoundChange, RunReport, Sample
 from stalwart.chaos.scenario import FaultSpec, Scenario
 from stalwart.proto import agent_pb2
 
@@ -269,6 +269,10 @@ class _Run:
             c.kill_agent(target)
             a.undo_at, a.undo = a.record.injected_at + AGENT_RESTART_AFTER, lambda: c.start_agent(target)
             return f"agent SIGKILLed (its workers train on); restarted after {AGENT_RESTART_AFTER:g} s"
+        if kind == "kill-node":
+            killed = c.kill_node(target)
+            a.undo_at, a.undo = a.record.injected_at + a.spec.duration, lambda: c.start_agent(target)
+            return f"node lost: its agent and {killed} worker process(es) SIGKILLed; back after {a.spec.duration:g} s"
         if kind == "restart-agent":
             c.restart_agent_handoff(target)
             a.undo_at, a.undo = a.record.injected_at + AGENT_HANDOFF_AFTER, lambda: c.start_agent(target)
@@ -532,6 +536,11 @@ class _Run:
             rollbacks=sum(e.get("event") == "rollback" for e in self.events),
         )
         report.account()
+        report.restores = [
+            RestoreSource(round(float(e["t"]) - self.t0, 3), int(e["step"]), int(e["world_size"]),  # type: ignore[arg-type, call-overload]
+                          int(e.get("world_host_bytes", 0)), int(e.get("world_peer_bytes", 0)),  # type: ignore[call-overload]
+                          int(e.get("world_disk_bytes", 0)))  # type: ignore[call-overload]
+            for e in self.events if e.get("event") == "restore" and int(e.get("step", 0)) > 0]  # type: ignore[call-overload]
         skipped = skipped_samples(self.events)
         report.skipped_samples = sum(len(v) for v in skipped.values())
         report.checks["reached the last step"] = self._finished()
@@ -575,7 +584,8 @@ class _Run:
                 bad.discard(step)
             elif e.get("event") in ("restore", "rollback"):  # a re-form's load is its restore event
                 step = int(e["step"])  # type: ignore[call-overload]
-                if step in bad and e.get("disk_bytes", 1):  # read some of it from disk, and took it
+                # read some of it from disk (on any rank), and took it
+                if step in bad and e.get("world_disk_bytes", e.get("disk_bytes", 1)):
                     corrupt += 1
                 good = [c for c in commits if c not in bad]
                 if good and max(good) > step:

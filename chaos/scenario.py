@@ -43,6 +43,7 @@ FAULT_KINDS = (
     "fill-disk",  # fill the checkpoint file system (a small tmpfs; needs root)
     "kill-agent",  # SIGKILL a node's agent (its workers train on; the agent is restarted and adopts them)
     "restart-agent",  # restart a node's agent the systemd way (SIGUSR1 hand-off, then a new agent)
+    "kill-node",  # SIGKILL a node's agent, workers and spares (the node is lost); it is back after `duration`
     "kill-daemon",  # SIGKILL the daemon leader
     "kill-etcd",  # SIGKILL one etcd member
     "lose-quorum",  # SIGKILL a majority of the etcd members for `duration` seconds
@@ -68,6 +69,9 @@ class ClusterSpec:
     checkpoint_fs_mb: int = 64  # size of the checkpoint tmpfs, when a fill-disk fault needs one
     exclude_stragglers: bool = False  # the daemons take a straggler out at the next checkpoint
     reform_in_place: bool = True  # survivors of a round change re-form in place (false: restart all)
+    # each node in its own network namespace with its own address, as on separate hosts (needs root;
+    # always so with a network-cut fault)
+    node_network: bool = False
     spares: int = 0  # warm spare workers per node
 
 
@@ -82,6 +86,10 @@ class JobSpec:
     samples: int = 100_000
     script: str = "examples/train_gpt.py"
     max_rollbacks: int = 3  # training-health rollbacks allowed within 1,000 steps before the job gives up
+    # examples/train_gpt.py only: buddy replicas per rank (TrainerConfig.peer), and a budget for a
+    # restore's reads from storage in MB/s per rank (0: none; a slow shared file system)
+    peer_replicas: int = 1
+    restore_read_mbps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,7 @@ class FaultSpec:
     node: str | None = None
     rank: int = 0  # local rank for worker faults, device for GPU faults
     code: int = 79  # Xid for gpu-fault
-    duration: float = 5.0  # network-cut, fill-disk, slow-worker, lose-quorum: seconds until it is undone
+    duration: float = 5.0  # network-cut, fill-disk, slow-worker, lose-quorum, kill-node: seconds until undone
     factor: float = 0.0  # loss-spike: loss multiplier (default 1000); slow-worker: slow-down (default 2)
     # "regrow": once at_step/at_time is reached, wait for the next regrow round and inject while
     # its re-form is in flight ("": at once)

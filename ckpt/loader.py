@@ -22,6 +22,8 @@ import contextlib
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +72,7 @@ def load(
     coordinator: Coordinator | None = None,
     io_threads: int = 4,
     timeout_s: float = 600.0,
+    read_bytes_per_s: float | None = None,
 ) -> LoadResult:
     """Fill ``targets`` (name -> tensor or :class:`Shard`, in place) from the newest good checkpoint.
 
@@ -81,9 +84,15 @@ def load(
     :class:`CheckpointNotFound` when no checkpoint could be loaded, :class:`LayoutMismatch` when
     the request does not fit, and, with ``step``, :class:`CheckpointCorrupt` /
     :class:`UnsupportedFormat`.
+
+    ``read_bytes_per_s``: this call's budget for reading chunks (``None``: as fast as storage
+    goes), so that the restores of a whole world at once do not saturate a shared file system.
     """
     if io_threads < 1:
         raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+    if read_bytes_per_s is not None and read_bytes_per_s <= 0:
+        raise ValueError(f"read_bytes_per_s must be positive or None, got {read_bytes_per_s}")
+    pace = _Pace(read_bytes_per_s) if read_bytes_per_s is not None else None
     coord = coordinator or default_coordinator(timeout_s)
     entries = entries_for_load(targets)
     if coord.rank == 0:
@@ -98,7 +107,7 @@ def load(
         local: Exception | None = None
         result: LoadResult | None = None
         try:
-            result = _load_step(root, candidate, entries, io_threads)
+            result = _load_step(root, candidate, entries, io_threads, pace)
             verdict = {"ok": True}
         except _Fatal as exc:
             local = exc.args[0]
@@ -155,7 +164,31 @@ class _Target:
     staged: bool  # flat is a temporary, copied into the target at the end
 
 
-def _load_step(root: str, step: int, entries: list[Entry], io_threads: int) -> LoadResult:
+class _Pace:
+    """A budget of ``rate`` bytes/s shared by the read threads: each read waits for its turn."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            self._free_at = max(self._free_at, now) + n / self.rate
+            wait = self._free_at - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+def _paced_read(pace: _Pace | None, *args: Any) -> int:
+    n = _read_chunk(*args)
+    if pace is not None:
+        pace.take(n)
+    return n
+
+
+def _load_step(root: str, step: int, entries: list[Entry], io_threads: int, pace: _Pace | None = None) -> LoadResult:
     step_dir = storage.step_path(root, step)
     with storage.shared_lock(step_dir, create=False):
         manifest = storage.read_manifest(root, step)
@@ -165,7 +198,7 @@ def _load_step(root: str, step: int, entries: list[Entry], io_threads: int) -> L
             numbers = chunk_numbers(manifest)
             tasks = [(t, read) for t in targets for read in t.reads]
             with concurrent.futures.ThreadPoolExecutor(io_threads, "ckpt-read") as pool:
-                futures = [pool.submit(_read_chunk, manifest, fds, numbers, t, read) for t, read in tasks]
+                futures = [pool.submit(_paced_read, pace, manifest, fds, numbers, t, read) for t, read in tasks]
                 try:
                     bytes_read = sum(f.result() for f in futures)
                 finally:

@@ -172,6 +172,16 @@ class SaveHandle:
         Returns ``False`` if ``timeout`` passed first."""
         return self._snapshot.wait(timeout)
 
+    def host_copy(self) -> CommittedSnapshot | None:
+        """This rank's part of the save in host memory, once the snapshot is complete, before the
+        commit (``keep_committed`` only; ``None`` before the snapshot, after the commit — then it
+        is the checkpointer's :meth:`~Checkpointer.committed_snapshot` — or if the save failed).
+        Valid until the next save starts; read-only. Why: a peer replica can be sent as
+        soon as the data is copied, not only after the slower persist."""
+        if not self._snapshot.is_set():
+            return None
+        return self._keep
+
     def done(self) -> bool:
         return self._future.done()
 

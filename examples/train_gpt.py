@@ -33,7 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stalwart.trainer import EXIT_DIVERGED, HealthConfig, StepBatch, Trainer, TrainerConfig, TrainingDiverged
+from stalwart.trainer import (
+    EXIT_DIVERGED,
+    HealthConfig,
+    PeerConfig,
+    StepBatch,
+    Trainer,
+    TrainerConfig,
+    TrainingDiverged,
+)
 
 
 class Block(nn.Module):
@@ -121,6 +129,10 @@ def main() -> None:
     parser.add_argument("--loop", choices=("train", "batches"), default="train",
                         help="train: Trainer.train runs the loop and re-forms in place when a peer is lost; "
                              "batches: the script's own loop (a lost peer ends the process)")
+    parser.add_argument("--peer-replicas", type=int, default=PeerConfig.replicas,
+                        help="buddy copies of each rank's checkpoint part on other nodes (0: none)")
+    parser.add_argument("--restore-read-mbps", type=float, default=None,
+                        help="budget of a restore's reads from storage, MB/s per rank (default: none)")
     parser.add_argument("--collective-timeout", type=float, default=TrainerConfig.collective_timeout_s,
                         help="seconds a collective waits for a hung peer")
     health = parser.add_argument_group("training health (see stalwart.trainer.health)")
@@ -169,7 +181,8 @@ def main() -> None:
         checkpoint_dir=args.ckpt_dir, global_batch=args.global_batch, micro_batch=args.micro_batch,
         dataset_len=args.dataset_len, total_steps=args.steps, seed=args.seed, save_every_steps=args.save_every,
         save_every_seconds=args.save_every_seconds, record_path=args.steps_log,
-        collective_timeout_s=args.collective_timeout,
+        collective_timeout_s=args.collective_timeout, peer=PeerConfig(replicas=args.peer_replicas),
+        restore_read_bytes_per_s=args.restore_read_mbps * 1e6 if args.restore_read_mbps else None,
         health=HealthConfig(
             enabled=not args.no_health, spike_window=args.spike_window, spike_threshold=args.spike_threshold,
             spike_min_history=args.spike_min_history, spike_rel_floor=args.spike_rel_floor, skip=args.skip,

@@ -43,6 +43,7 @@ _EXPORTS = {
     "committed_steps": "record",
     "read_events": "record",
     "skipped_samples": "record",
+    "PeerConfig": "peer",
     "ReformFailed": "errors",
     "ReformSpec": "reform",
     "ReformTimings": "trainer",

@@ -101,6 +101,7 @@ from stalwart.trainer.health import (
     windows_of,
     write_journal,
 )
+from stalwart.trainer.peer import PeerConfig, PeerFill, PeerReplicas
 from stalwart.trainer.record import StepRecorder
 from stalwart.trainer.reform import (
     JoinSuperseded,
@@ -141,6 +142,10 @@ class TrainerConfig:
     stuck in a collective on a lost peer and every process group is aborted (``ncclCommAbort``),
     so that collective raises and the rank re-forms. ``None``: 3 × the last step time, at least
     5 s (a Reform is otherwise applied at the next step boundary).
+    ``restore_read_bytes_per_s``: a budget for each restore's reads from storage, per rank
+    (``None``: none), so that a whole world restoring at once does not saturate a shared file system.
+    ``peer``: buddy replicas of each rank's checkpoint part in other nodes' host memory, the
+    first source of a restore (:mod:`~stalwart.trainer.peer`; ``PeerConfig(replicas=0)``: off).
     """
 
     checkpoint_dir: str
@@ -161,6 +166,8 @@ class TrainerConfig:
     reform_wait_s: float = 60.0
     nccl_abort_after_s: float | None = None
     health: HealthConfig = field(default_factory=HealthConfig)
+    peer: PeerConfig = field(default_factory=PeerConfig)
+    restore_read_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.checkpoint_dir:
@@ -186,6 +193,10 @@ class TrainerConfig:
             raise ValueError(f"nccl_abort_after_s must be positive or None, got {self.nccl_abort_after_s}")
         if not isinstance(self.health, HealthConfig):
             raise ValueError(f"health must be a HealthConfig, got {type(self.health).__name__}")
+        if self.restore_read_bytes_per_s is not None and self.restore_read_bytes_per_s <= 0:
+            raise ValueError(f"restore_read_bytes_per_s must be positive or None, got {self.restore_read_bytes_per_s}")
+        if not isinstance(self.peer, PeerConfig):
+            raise ValueError(f"peer must be a PeerConfig, got {type(self.peer).__name__}")
 
 
 @dataclass(frozen=True)
@@ -312,7 +323,8 @@ class ReformTimings:
     restored_step: int = 0
     left_step: int = 0  # the last step this rank finished in the old world
     host_bytes: int = 0  # state restored from this process's host copy of the last committed save
-    disk_bytes: int = 0  # read from the checkpoint files (what no host copy here held)
+    peer_bytes: int = 0  # from the copies of other ranks' parts held here or pulled from peers
+    disk_bytes: int = 0  # read from the checkpoint files (what no live process held)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -355,8 +367,10 @@ class Trainer:
         self._last_step_time = 0.0
         self._first_step_pending: ReformTimings | None = None
         self._restore_bytes = (0, 0)
+        self._peer_fill = PeerFill()
+        self.peers = PeerReplicas(config.peer) if config.peer.replicas > 0 else None
         self.client_state = ClientStates()  # see register_state
-        self._attach(engine, self.round)
+        self._attach(engine, self.round, os.environ.get("MASTER_ADDR", "127.0.0.1"))
         restored = self._restore(required=_required)
         assert restored is not None
         self._resume(restored)
@@ -379,7 +393,7 @@ class Trainer:
         # for it would only delay the restart of the whole world.
         self.expects_reform = bool(getattr(self.agent, "enabled", False))
 
-    def _attach(self, engine: Any, round_number: int) -> None:
+    def _attach(self, engine: Any, round_number: int, master_addr: str) -> None:
         """Everything that belongs to one world: rank, groups, ZeRO view, checkpointer. The same
         collectives in the same order on every rank, whether it starts, re-forms or was a spare.
 
@@ -397,6 +411,8 @@ class Trainer:
         # The per-step agreement gets its own CPU group: it must not wait behind the persist
         # thread's commit traffic, and must not need a GPU tensor.
         self._control = dist.new_group(backend="gloo", timeout=timeout)
+        if self.peers is not None:
+            self.peers.attach(self._control, self.rank, self.world_size, master_addr)
         self._coord = TorchDistCoordinator(config.commit_timeout_s)
         self.recorder = StepRecorder(config.record_path if self.rank == 0 else None)
         base = self._save_config or SaveConfig(commit_timeout_s=config.commit_timeout_s)
@@ -670,6 +686,8 @@ class Trainer:
                     self.rank, self.round, self.step, spec.rank, spec.world_size, spec.round, spec.master_addr,
                     spec.master_port, cause)
         host = self.checkpointer.committed_snapshot()
+        if self.peers is not None and host is not None:
+            self.peers.keep_own(host, self.rank)  # a commit that step_done has not seen yet
         self._leave()
         timing.left_at = time.time()
         try:
@@ -680,7 +698,7 @@ class Trainer:
                     timing.group_up_at = time.time()
                     engine = self._recipe.build(self.config, spec.world_size)
                     timing.engine_built_at = time.time()
-                    self._attach(engine, spec.round)
+                    self._attach(engine, spec.round, spec.master_addr)
                     self.round = spec.round
                     restored = self._restore(required=True, host=host)
                     assert restored is not None
@@ -710,6 +728,7 @@ class Trainer:
         timing.restored_at = time.time()
         timing.restored_step = self.step
         timing.host_bytes, timing.disk_bytes = self._restore_bytes
+        timing.peer_bytes = self._peer_fill.held_bytes + self._peer_fill.pulled_bytes
         self.reforms.append(timing)
         self._first_step_pending = timing
         log.warning("rank %d round %d: re-formed at step %d in %.3fs (group %.3fs, engine %.3fs, restore %.3fs)",
@@ -939,6 +958,8 @@ class Trainer:
         meta = {"trainer": self._trainer_meta(), "rng": _rng_state(), "client": client_meta}
         handle = self.checkpointer.save(self.step, {**self.state.save_tensors(), **client_tensors}, meta)
         self._pending.append(handle)
+        if self.peers is not None:
+            self.peers.replicate(handle, self.rank)  # on a thread, once the snapshot is copied
         self._last_saved = self.step
         self._last_save_time = time.monotonic()
         return handle
@@ -1074,6 +1095,9 @@ class Trainer:
             if exc is None:
                 info = handle.result()
                 self.agent.checkpoint(info.step, info.path, True, info.snapshot_s)
+                kept = self.checkpointer.committed_snapshot()
+                if self.peers is not None and kept is not None and kept.step == info.step:
+                    self.peers.keep_own(kept, self.rank)
             else:
                 log.error("rank %d step %d: checkpoint not committed: %s", self.rank, handle.step, exc)
                 self.recorder.write("save_failed", step=handle.step, error=str(exc))
@@ -1133,18 +1157,25 @@ class Trainer:
         self.state.ensure_optimizer_state()
         targets, staged = self.state.load_targets()
         host_bytes = 0
-        if host is not None and host.step == found["newest"] and not staged:
+        self._peer_fill = PeerFill()
+        if self.peers is not None:  # collective: every rank says what it holds, pulls what it lacks
+            targets, self._peer_fill = self.peers.fill(targets, found["newest"], self._control, self.rank,
+                                                       self.world_size)
+            host_bytes = self._peer_fill.own_bytes
+        elif host is not None and host.step == found["newest"] and not staged:
             targets, host_bytes = _fill_from_host(targets, host)
         try:
             result = load(root, targets, max_step=max_step, coordinator=self._coord,
-                          timeout_s=self.config.commit_timeout_s)
+                          timeout_s=self.config.commit_timeout_s, read_bytes_per_s=self.config.restore_read_bytes_per_s)
             if result.step != found["newest"]:  # the same on every rank: see the docstring
                 skipped = result.skipped  # the newer steps refused: they are set aside below
                 targets, staged = self.state.load_targets()
                 result = load(root, targets, step=result.step, coordinator=self._coord,
-                              timeout_s=self.config.commit_timeout_s)
+                              timeout_s=self.config.commit_timeout_s,
+                              read_bytes_per_s=self.config.restore_read_bytes_per_s)
                 result = replace(result, skipped=[*skipped, *result.skipped])
                 host_bytes = 0
+                self._peer_fill = PeerFill()
         except LayoutMismatch as exc:
             raise self._incompatible(None) or IncompatibleCheckpoint(str(exc)) from exc
         except CheckpointNotFound:
@@ -1157,6 +1188,11 @@ class Trainer:
         if mismatch is not None:
             raise mismatch
         self._restore_bytes = (host_bytes, result.bytes_read)
+        peer_bytes = self._peer_fill.held_bytes + self._peer_fill.pulled_bytes
+        # The world's restore sources, for the record: bytes from own memory, peers' memory, storage.
+        sources = torch.tensor([host_bytes, peer_bytes, result.bytes_read], dtype=torch.int64)
+        dist.all_reduce(sources, group=self._control)
+        world_host, world_peer, world_disk = (int(v) for v in sources.tolist())
         for step, reason in result.skipped:
             log.warning("rank %d: skipped checkpoint step %d: %s", self.rank, step, reason)
         if result.skipped:
@@ -1181,14 +1217,15 @@ class Trainer:
         self.health = HealthMonitor(self.config.health, health.get("history", []))
         self.ledger.merge(RollbackLedger.from_json(health.get("rollbacks", [])).rollbacks)
         self.ledger.merge(RollbackLedger.from_json(found["journal"]).rollbacks)
-        log.info("rank %d round %d: restored step %d (saved by %d ranks, now %d)%s; %d bytes from host memory, "
-                 "%d read from disk", self.rank, self.round, result.step, saved_world, self.world_size,
-                 " to roll back" if rollback else "", host_bytes, result.bytes_read)
+        log.info("rank %d round %d: restored step %d (saved by %d ranks, now %d)%s; %d bytes from its own memory, "
+                 "%d from peer replicas, %d read from storage", self.rank, self.round, result.step, saved_world,
+                 self.world_size, " to roll back" if rollback else "", host_bytes, peer_bytes, result.bytes_read)
         if not rollback:
             self.recorder.write("restore", step=result.step, world_size=self.world_size,
                                 saved_world_size=saved_world, skipped=[s for s, _ in result.skipped],
-                                rollbacks=len(self.ledger), host_bytes=host_bytes,
-                                disk_bytes=result.bytes_read)  # fmt: skip
+                                rollbacks=len(self.ledger), host_bytes=host_bytes, peer_bytes=peer_bytes,
+                                disk_bytes=result.bytes_read, world_host_bytes=world_host,
+                                world_peer_bytes=world_peer, world_disk_bytes=world_disk)  # fmt: skip
         return RestoreInfo(result.step, DataPosition.from_json(meta["position"]), saved_world, result.skipped)
 
     def _check_data(self, meta: dict[str, Any], step: int) -> None:

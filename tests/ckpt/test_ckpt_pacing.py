@@ -68,3 +68,19 @@ def test_paced_save_keeps_to_its_rate_and_round_trips(tmp_path):
     _round_trip(str(tmp_path), SaveConfig(chunk_bytes=CHUNK, persist_bytes_per_s=rate))
     elapsed = time.perf_counter() - started
     assert elapsed >= 4 * CHUNK / rate * 0.95  # the last chunk waits for the 4 before it: never faster
+
+
+def test_a_restore_with_a_read_budget_keeps_to_it_and_loads_the_same(tmp_path):
+    state = _state()
+    with Checkpointer(str(tmp_path), SaveConfig(chunk_bytes=CHUNK), coordinator=SingleCoordinator()) as ckpt:
+        ckpt.save(1, state).result()
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    rate = size  # one second's worth: the reads after the first wait for their turn
+    targets = {k: torch.zeros_like(v) for k, v in state.items()}
+    started = time.perf_counter()
+    result = load(str(tmp_path), targets, coordinator=SingleCoordinator(), read_bytes_per_s=rate)
+    elapsed = time.perf_counter() - started
+    assert all(torch.equal(targets[k], v) for k, v in state.items())
+    assert elapsed >= (result.bytes_read - CHUNK) / rate * 0.95  # never faster than the budget
+    with pytest.raises(ValueError, match="read_bytes_per_s"):
+        load(str(tmp_path), targets, coordinator=SingleCoordinator(), read_bytes_per_s=0)

@@ -32,7 +32,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from train_gpt import TinyGPT, run_step, synthetic_corpus  # noqa: E402
 
-from stalwart.trainer import ReformSpec, Trainer, TrainerConfig  # noqa: E402
+from stalwart.trainer import PeerConfig, ReformSpec, Trainer, TrainerConfig  # noqa: E402
 
 
 def read_spec(path: Path) -> ReformSpec | None:
@@ -81,7 +81,12 @@ def main() -> None:
     ap.add_argument("--collective-timeout", type=float, default=30.0)
     ap.add_argument("--reform-wait", type=float, default=60.0)
     ap.add_argument("--dist-timeout", type=float, default=60.0)
+    ap.add_argument("--zero-stage", type=int, default=1)
+    ap.add_argument("--node", default=None, help="this process's node (STALWART_NODE: peer replica placement)")
+    ap.add_argument("--no-peers", action="store_true", help="no peer replicas (PeerConfig(replicas=0))")
     args = ap.parse_args()
+    if args.node:
+        os.environ["STALWART_NODE"] = args.node
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(name)s %(levelname)s %(message)s")
     out, spec_path = Path(args.out), Path(args.spec_dir) / f"{args.name}.json"
     result: dict[str, object] = {"name": args.name, "pid": os.getpid()}
@@ -90,13 +95,14 @@ def main() -> None:
     context, vocab = 16, 64
     model = TinyGPT(vocab=vocab, context=context, dropout=0.0)
     corpus = synthetic_corpus(240 + context + 1, vocab)
-    ds_config = {"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+    ds_config = {"zero_optimization": {"stage": args.zero_stage}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
                  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
                                                                "warmup_num_steps": 10}}}
     config = TrainerConfig(checkpoint_dir=args.ckpt_dir, global_batch=12, micro_batch=2, dataset_len=240,
                            total_steps=args.steps, save_every_steps=args.save_every, keep_last=20,
                            record_path=args.steps_log, collective_timeout_s=args.collective_timeout,
-                           reform_wait_s=args.reform_wait, dist_timeout_s=args.dist_timeout, commit_timeout_s=20.0)
+                           reform_wait_s=args.reform_wait, dist_timeout_s=args.dist_timeout, commit_timeout_s=20.0,
+                           peer=PeerConfig(replicas=0 if args.no_peers else 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     try:
         trainer = Trainer.initialize(model, ds_config, config, optimizer=optimizer,
@@ -127,6 +133,8 @@ def main() -> None:
             dump_state(trainer, out, args.name)
         if s > trainer.restored.step and s in (args.kill_at_step, args.stop_at_step):
             trainer.checkpointer.wait()  # the committed checkpoint the others will resume from
+            if trainer.peers is not None:  # its replica, pushed after the snapshot, has arrived
+                trainer.peers.wait_pushed(trainer.checkpointer.committed_snapshot().step, 30.0)
             marker = "killed" if s == args.kill_at_step else "stopped"
             (out / f"{args.name}.{marker}").write_text(json.dumps({"time": time.time(), "step": s}))
             os.kill(os.getpid(), signal.SIGKILL if marker == "killed" else signal.SIGSTOP)

@@ -1,0 +1,92 @@
+"""A lost node restored from peer memory: real processes, gloo and DeepSpeed (ZeRO-1 and ZeRO-2).
+
+Three ranks on three simulated nodes (``STALWART_NODE``); each pushes its part of every committed
+checkpoint to its buddy on the next node. The rank on node n2 is SIGKILLed (after its replica of
+step 6 has reached its buddy) and the survivors re-form 3 -> 2: nothing of the state may come
+from storage, and the re-formed run must equal, bitwise, a run freshly started at world size 2
+from the checkpoint on disk: the restored state and every later loss.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from test_reform import RESTORED, STEPS, Harness, assert_same_as_restart, free_port, print_timings
+
+from stalwart.ckpt.storage import step_dir_name
+
+
+@pytest.fixture
+def jobs() -> list[Harness]:
+    made: list[Harness] = []
+    yield made  # type: ignore[misc]
+    for h in made:
+        h.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2], ids=["z1", "z2"])
+def test_a_lost_node_is_restored_from_peer_memory_without_reading_storage(
+        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness], stage: int) -> None:
+    job = Harness(tmp_path, ds_env)
+    jobs.append(job)
+    port = free_port()
+    common = ("--zero-stage", str(stage))
+    for r in range(3):
+        extra = (*common, "--node", f"n{r}", *(("--kill-at-step", "7") if r == 2 else ()))
+        job.start(f"w{r}", rank=r, world=3, port=port, extra=extra)
+    killed = job.wait_marker("w2", "killed")
+    job.procs["w2"].wait(timeout=30)
+    new_port = free_port()
+    job.reform("w0", rank=0, world=2, port=new_port, round=1)
+    job.reform("w1", rank=1, world=2, port=new_port, round=1)
+    results = job.wait(["w0", "w1"])
+    print_timings(f"3->2 kill, peers, ZeRO-{stage}", killed["time"], results)
+    for name, res in results.items():
+        assert "error" not in res, (name, res["error"], job.logs())
+        (t,) = res["reforms"]
+        assert t["restored_step"] == RESTORED and res["step"] == STEPS
+        assert t["disk_bytes"] == 0, (name, t, job.logs())
+        assert t["host_bytes"] > 0 and t["peer_bytes"] > 0, (name, t)
+    # Rank 0 held n2's replica; rank 1 pulled it (and rank 0 pulled rank 1's own part).
+    restore = [e for e in job_events(job) if e["event"] == "restore" and e.get("world_size") == 2]
+    assert restore and restore[0]["world_disk_bytes"] == 0 and restore[0]["world_peer_bytes"] > 0
+
+    ref = Harness(tmp_path, ds_env, "reference")
+    jobs.append(ref)
+    shutil.copytree(job.ckpt / step_dir_name(RESTORED), ref.ckpt / step_dir_name(RESTORED))
+    ref_port = free_port()
+    for r in range(2):
+        ref.start(f"r{r}", rank=r, world=2, port=ref_port, extra=(*common, "--node", f"n{r}"))
+    ref.wait(["r0", "r1"])
+    assert_same_as_restart(job, "w0", ref)
+
+
+def test_without_peer_replicas_the_lost_ranks_part_is_read_from_storage(
+        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness]) -> None:
+    """The same loss with ``PeerConfig(replicas=0)``: the dead rank's part can only come from disk
+    (the test above fails its ``disk_bytes == 0`` for the same reason when replication is off)."""
+    job = Harness(tmp_path, ds_env)
+    jobs.append(job)
+    port = free_port()
+    for r in range(3):
+        extra = ("--no-peers", "--node", f"n{r}", *(("--kill-at-step", "7") if r == 2 else ()))
+        job.start(f"w{r}", rank=r, world=3, port=port, extra=extra)
+    job.wait_marker("w2", "killed")
+    job.procs["w2"].wait(timeout=30)
+    new_port = free_port()
+    job.reform("w0", rank=0, world=2, port=new_port, round=1)
+    job.reform("w1", rank=1, world=2, port=new_port, round=1)
+    results = job.wait(["w0", "w1"])
+    for name, res in results.items():
+        assert "error" not in res, (name, res["error"], job.logs())
+        (t,) = res["reforms"]
+        assert t["peer_bytes"] == 0
+    assert sum(res["reforms"][0]["disk_bytes"] for res in results.values()) > 0
+
+
+def job_events(job: Harness) -> list[dict[str, object]]:
+    import json
+
+    return [json.loads(line) for line in job.steps_log.read_text().splitlines()]

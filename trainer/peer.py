@@ -1,0 +1,607 @@
+"""Buddy replicas: each rank's part of the last committed checkpoint, also in a peer's host memory.
+
+Why: when a node is lost, its ranks' state is otherwise read back from storage (slow, shared,
+and the first thing to fail at scale). After every commit each rank pushes its host copy of what
+it saved (:class:`~stalwart.ckpt.CommittedSnapshot`) to ``replicas`` buddy ranks on other nodes;
+a re-forming world then rebuilds every rank's new partition from live memory (its own copy, the
+copies it holds for others, and what it pulls from the ranks that hold the rest) and reads from
+storage only what no live process holds.
+
+The replicas travel over a side channel of plain TCP (one listener per process, for the process's
+life: a replica must outlive the world that made it), not over the training process groups:
+a push runs beside training and may meet a peer that just died, and neither may block a
+collective. Every request carries the world's token (random, from rank 0 when the world forms),
+so a process outside the job cannot write or read replicas; the payload carries an XXH3 checksum
+checked on arrival. Like gloo's own connections, the channel is not encrypted: it is for the job's
+private network.
+
+Placement: the buddies of a rank are the next ranks, in ring order, on nodes other than its own
+(a node is ``STALWART_NODE`` from the agent, else the host name), each on a different node: the
+loss of any one node leaves a copy of each of its ranks when ``replicas`` >= 1 and the world spans
+two nodes or more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from stalwart.ckpt import CommittedSnapshot, Region, SaveHandle, Shard
+from stalwart.proto.contract import ENV_NODE
+
+__all__ = ["PeerConfig", "PeerReplicas", "PeerFill", "Part", "buddies", "fill_from_parts"]
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!I")  # length of the JSON header that starts every message
+_MAX_HEADER = 64 << 20
+_ALIGN = 64  # each tensor starts at a multiple of this in the payload (any dtype can view it)
+_DTYPES: dict[str, torch.dtype] = {str(d): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """``replicas``: buddy copies of each rank's part (0: off). ``memory_limit_bytes``: most host
+    memory the copies held for others may use in this process (``None``: no bound; a push beyond
+    it is refused and logged, and that part is read from storage if it is ever needed).
+    ``timeout_s``: one push or pull. ``bind_host``: the listener's address (default every
+    interface of the process's network namespace; the advertised one is the route to the world's
+    master)."""
+
+    replicas: int = 1
+    memory_limit_bytes: int | None = None
+    timeout_s: float = 60.0
+    bind_host: str = "0.0.0.0"
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ValueError(f"peer replicas must be >= 0, got {self.replicas}")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 0:
+            raise ValueError(f"peer memory_limit_bytes must be >= 0 or None, got {self.memory_limit_bytes}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"peer timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass
+class Part:
+    """One rank's part of one committed step: ``tensors`` maps a name to the region of the
+    global tensor and a 1-D view of its elements, as in :class:`~stalwart.ckpt.CommittedSnapshot`."""
+
+    step: int
+    rank: int  # its rank in the world that saved it
+    tensors: dict[str, tuple[Region, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors.values())
+
+    def summary(self) -> dict[str, Any]:
+        return {"step": self.step, "rank": self.rank, "nbytes": self.nbytes,
+                "tensors": {n: r.to_json() | {"shape": list(r.shape)} for n, (r, _) in self.tensors.items()}}
+
+
+@dataclass
+class PeerFill:
+    """What a restore took from memory: bytes from this process's own copy, from copies it held
+    for other ranks, and pulled from peers; the parts pulled (origin rank -> holder rank)."""
+
+    own_bytes: int = 0
+    held_bytes: int = 0
+    pulled_bytes: int = 0
+    pulled: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.own_bytes + self.held_bytes + self.pulled_bytes
+
+
+def node_key() -> str:
+    """This process's node: the agent's node id, else the host name."""
+    return os.environ.get(ENV_NODE) or socket.gethostname()
+
+
+def buddies(nodes: Sequence[str], rank: int, replicas: int) -> list[int]:
+    """The ranks that hold ``rank``'s replicas: the next ones in ring order, each on a node
+    other than ``rank``'s and than each other's (fewer when the world has fewer nodes)."""
+    chosen: list[int] = []
+    used = {nodes[rank]}
+    n = len(nodes)
+    for step in range(1, n):
+        if len(chosen) >= replicas:
+            break
+        other = (rank + step) % n
+        if nodes[other] not in used:
+            chosen.append(other)
+            used.add(nodes[other])
+    return chosen
+
+
+def fill_from_parts(targets: dict[str, torch.Tensor | Shard],
+                    parts: Sequence[Part]) -> tuple[dict[str, torch.Tensor | Shard], dict[int, int]]:
+    """Copy into ``targets`` what ``parts`` (of one step) hold; returns the targets still to read
+    from storage and the bytes copied per origin rank.
+
+    Parts are applied in rank order, so a flat range spanning several ranks' partitions is
+    covered from its start on (the loader takes one region per name: a range covered only in its
+    middle stays whole for storage). Bitwise what the loader would have read: each part is what
+    its rank wrote.
+    """
+    rest = dict(targets)
+    copied: dict[int, int] = {}
+    for part in sorted(parts, key=lambda p: p.rank):
+        n = 0
+        for name, (region, data) in part.tensors.items():
+            target = rest.get(name)
+            if target is None:
+                continue
+            left, got = _fill_one(target, region, data)
+            n += got
+            if left is None:
+                del rest[name]
+            else:
+                rest[name] = left
+        if n:
+            copied[part.rank] = copied.get(part.rank, 0) + n
+    return rest, copied
+
+
+def _fill_one(target: torch.Tensor | Shard, region: Region,
+              data: torch.Tensor) -> tuple[torch.Tensor | Shard | None, int]:
+    """Fill ``target`` from one held region: (what is left of it, or None; bytes copied)."""
+    if isinstance(target, Shard):
+        t, tr = target.tensor, target.region
+        if (tr.flat is None or region.flat is None or tuple(tr.shape) != tuple(region.shape)
+                or data.dtype != t.dtype or not t.is_contiguous() or t.device.type != "cpu"):
+            return target, 0
+        (a, b), (c, d) = tr.flat, region.flat
+        i, j = max(a, c), min(b, d)
+        if i >= j or (i > a and j < b):
+            return target, 0
+        flat = t.view(-1)
+        flat[i - a : j - a].copy_(data[i - c : j - c])
+        copied = (j - i) * t.element_size()
+        if i > a:
+            return Shard.flat(flat[: i - a], tr.shape, a), copied
+        if j < b:
+            return Shard.flat(flat[j - a :], tr.shape, j), copied
+        return None, copied
+    if (region.box is not None and tuple(region.shape) == tuple(target.shape) and region.numel == target.numel()
+            and data.dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu"):
+        target.view(-1).copy_(data)  # a replicated tensor that rank wrote whole
+        return None, target.numel() * target.element_size()
+    return target, 0
+
+
+def _useful(summary: dict[str, Any], targets: dict[str, torch.Tensor | Shard]) -> list[str]:
+    """The names of a part (its summary) that overlap what is still to fill."""
+    names = []
+    for name, reg in summary["tensors"].items():
+        target = targets.get(name)
+        if target is None:
+            continue
+        if isinstance(target, Shard):
+            flat = target.region.flat
+            if flat is not None and "flat" in reg and list(target.region.shape) == reg["shape"]:
+                c, d = reg["flat"]
+                if max(flat[0], c) < min(flat[1], d):
+                    names.append(name)
+        elif "lengths" in reg and list(target.shape) == reg["shape"] == reg["lengths"]:
+            names.append(name)
+    return names
+
+
+class PeerError(Exception):
+    """A push or pull of a replica failed (the peer is gone, refused it, or the data is corrupt)."""
+
+
+class PeerReplicas:
+    """This process's replica store: its listener, its own part, the copies it holds for others.
+
+    :meth:`attach` when a world forms (collective on ``group``), :meth:`replicate` after each
+    commit (returns at once; the push runs on a thread), :meth:`fill` in a restore (collective).
+    """
+
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._own: Part | None = None
+        # origin rank -> step -> its part: the newest committed step's, and one newer (sent after
+        # its snapshot, before its commit)
+        self._held: dict[int, dict[int, Part]] = {}
+        self._committed = -1  # the newest step this process saw committed
+        self._token = ""
+        self._rank = 0
+        self._targets: list[tuple[int, str, int]] = []  # buddy rank, host, port
+        self._pushing = threading.Lock()
+        self._next_push: tuple[SaveHandle, int] | None = None
+        self._listener = socket.create_server((config.bind_host, 0), reuse_port=False)
+        self.port = int(self._listener.getsockname()[1])
+        self._closed = False
+        threading.Thread(target=self._serve, name="stalwart-peer-listener", daemon=True).start()
+        self.pushed: list[dict[str, Any]] = []  # one entry per finished push, for reports
+        self.failed: list[dict[str, Any]] = []  # one entry per failed push
+        self._peers: list[tuple[str, int]] = []
+
+    # -- world -----------------------------------------------------------------------------------
+
+    def attach(self, group: Any, rank: int, world_size: int, master_addr: str) -> list[int]:
+        """Learn the world's peers and token (collective on ``group``); returns this rank's buddies."""
+        import torch.distributed as dist
+
+        token = secrets.token_hex(16) if rank == 0 else ""
+        mine = {"node": node_key(), "host": _route_to(master_addr), "port": self.port, "token": token}
+        everyone: list[Any] = [None] * world_size
+        dist.all_gather_object(everyone, mine, group=group)
+        return self.join(everyone, rank)
+
+    def join(self, everyone: Sequence[dict[str, Any]], rank: int) -> list[int]:
+        """Take the world of :meth:`attach` (each rank's node, host, port; rank 0's token)."""
+        nodes = [str(e["node"]) for e in everyone]
+        chosen = buddies(nodes, rank, self.config.replicas)
+        with self._lock:
+            self._token = str(everyone[0]["token"])
+            self._rank = rank
+            self._peers = [(str(e["host"]), int(e["port"])) for e in everyone]
+            self._targets = [(b, *self._peers[b]) for b in chosen]
+        if self.config.replicas and not chosen:
+            log.info("rank %d: no rank on another node (world %d on %d node(s)): its checkpoint part has no "
+                     "peer replica", rank, len(everyone), len(set(nodes)))
+        return chosen
+
+    # -- replication -----------------------------------------------------------------------------
+
+    def keep_own(self, snapshot: CommittedSnapshot, rank: int) -> Part:
+        """``snapshot`` is committed: serve it as ``rank``'s part (no copy: it is the checkpointer's
+        kept buffer), and drop the copies of steps before it (a restore only takes the newest
+        committed step)."""
+        part = Part(snapshot.step, rank, dict(snapshot.tensors))
+        with self._lock:
+            if self._own is None or self._own.step <= part.step:
+                self._own = part
+                self._committed = max(self._committed, part.step)
+                self._prune()
+        return part
+
+    def replicate(self, handle: SaveHandle, rank: int) -> None:
+        """Push this rank's part of the save ``handle`` to the buddies as soon as its snapshot is
+        complete (before the commit: a peer then usually holds a step by the time it is committed).
+        Returns at once; a push still running takes the newest save when done, older ones are
+        skipped."""
+        with self._lock:
+            if not self._targets:
+                return
+            busy = self._next_push is not None
+            self._next_push = (handle, rank)
+        if not busy:
+            threading.Thread(target=self._push_loop, name="stalwart-peer-push", daemon=True).start()
+
+    def _push_loop(self) -> None:
+        while True:
+            with self._lock:
+                pending = self._next_push
+                targets, token = list(self._targets), self._token
+            if pending is None:
+                return
+            handle, rank = pending
+            handle.wait_snapshot(self.config.timeout_s)
+            snapshot = handle.host_copy()
+            part = None if snapshot is None else Part(snapshot.step, rank, dict(snapshot.tensors))
+            for buddy, host, port in targets if part is not None else []:
+                assert part is not None
+                started = time.monotonic()
+                try:
+                    self._push(part, host, port, token)
+                    took = time.monotonic() - started
+                    self.pushed.append({"step": part.step, "to": buddy, "bytes": part.nbytes, "s": took})
+                    log.info("rank %d: step %d part (%d bytes) replicated to rank %d in %.3fs", part.rank, part.step,
+                             part.nbytes, buddy, took)
+                except (OSError, PeerError) as exc:
+                    self.failed.append({"step": part.step, "to": buddy, "error": str(exc)})
+                    log.warning("rank %d: step %d part not replicated to rank %d: %s", part.rank, part.step,
+                                buddy, exc)
+            with self._lock:
+                if self._next_push is pending:
+                    self._next_push = None
+                    return
+
+    def _push(self, part: Part, host: str, port: int, token: str) -> None:
+        entries, size = _entries(part)
+        header = {"op": "put", "token": token, "step": part.step, "rank": part.rank, "entries": entries,
+                  "size": size, "digest": _digest(part)}
+        with socket.create_connection((host, port), timeout=self.config.timeout_s) as s:
+            _send_header(s, header)
+            for chunk in _chunks(part):
+                s.sendall(chunk)
+            reply = _recv_header(s)
+        if not reply.get("ok"):
+            raise PeerError(str(reply.get("error", "refused")))
+
+    def wait_pushed(self, step: int, timeout_s: float) -> bool:
+        """Wait until this rank's part of ``step`` (or a newer one) reached every buddy, or no push
+        is left running; returns whether every buddy has it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                targets = {b for b, _, _ in self._targets}
+                busy = self._next_push is not None
+            if targets <= {e["to"] for e in self.pushed if e["step"] >= step}:
+                return True
+            if not busy or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+    def _prune(self) -> None:
+        """Keep, per origin, only steps at or after the newest committed one, at most two."""
+        for origin in list(self._held):
+            steps = {st: p for st, p in self._held[origin].items() if st >= self._committed}
+            for st in sorted(steps)[:-2]:
+                del steps[st]
+            if steps:
+                self._held[origin] = steps
+            else:
+                del self._held[origin]
+
+    @property
+    def held_bytes(self) -> int:
+        """Host memory of the copies this process holds for other ranks."""
+        with self._lock:
+            return sum(p.nbytes for parts in self._held.values() for p in parts.values())
+
+    def holdings(self) -> list[Part]:
+        with self._lock:
+            parts = [p for by_step in self._held.values() for p in by_step.values()]
+            if self._own is not None:
+                parts.append(self._own)
+            return parts
+
+    # -- restore ---------------------------------------------------------------------------------
+
+    def fill(self, targets: dict[str, torch.Tensor | Shard], step: int, group: Any, rank: int,
+             world_size: int) -> tuple[dict[str, torch.Tensor | Shard], PeerFill]:
+        """Fill ``targets`` from memory for checkpoint ``step``: this process's parts, then parts
+        pulled from the lowest-ranked live holder of each. Collective on ``group`` (the world of
+        :meth:`attach`). Returns what is left for storage."""
+        import torch.distributed as dist
+
+        mine = [p for p in self.holdings() if p.step == step]
+        summaries = [p.summary() for p in mine]
+        everyone: list[Any] = [None] * world_size
+        dist.all_gather_object(everyone, summaries, group=group)
+        result = PeerFill()
+        own_rank = self._own.rank if self._own is not None and self._own.step == step else None
+        local_origins = {p.rank for p in mine}
+        holder: dict[int, tuple[int, dict[str, Any]]] = {}
+        for r, parts in enumerate(everyone):
+            for s in parts:
+                if s["step"] == step and s["rank"] not in local_origins and s["rank"] not in holder:
+                    holder[int(s["rank"])] = (r, s)
+        wanted = {origin: names for origin, (_, s) in holder.items() if (names := _useful(s, targets))}
+        pulled: list[Part] = []
+        if wanted:
+            with self._lock:
+                token, peers = self._token, list(self._peers)
+
+            def pull(origin: int) -> Part | None:
+                h = holder[origin][0]
+                try:
+                    return self._pull(peers[h], token, step, origin, wanted[origin])
+                except (OSError, PeerError) as exc:
+                    log.warning("rank %d: cannot pull rank %d's part of step %d from rank %d: %s (storage instead)",
+                                rank, origin, step, h, exc)
+                    return None
+
+            with ThreadPoolExecutor(max_workers=min(8, len(wanted)), thread_name_prefix="stalwart-peer-pull") as ex:
+                pulled = [p for p in ex.map(pull, sorted(wanted)) if p is not None]
+        rest, copied = fill_from_parts(targets, [*mine, *pulled])
+        for origin, n in copied.items():
+            if origin == own_rank:
+                result.own_bytes += n
+            elif origin in local_origins:
+                result.held_bytes += n
+            else:
+                result.pulled_bytes += n
+                result.pulled[origin] = holder[origin][0]
+        return rest, result
+
+    def _pull(self, peer: tuple[str, int], token: str, step: int, origin: int, names: list[str]) -> Part:
+        with socket.create_connection(peer, timeout=self.config.timeout_s) as s:
+            _send_header(s, {"op": "get", "token": token, "step": step, "rank": origin, "names": names})
+            header = _recv_header(s)
+            if not header.get("ok"):
+                raise PeerError(str(header.get("error", "refused")))
+            return _recv_part(s, header, step, origin)
+
+    # -- serving ---------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), name="stalwart-peer-conn", daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(self.config.timeout_s)
+            try:
+                header = _recv_header(conn)
+                with self._lock:
+                    token = self._token
+                if not token or not secrets.compare_digest(str(header.get("token", "")), token):
+                    _send_header(conn, {"ok": False, "error": "wrong token (not this job's world)"})
+                    return
+                if header.get("op") == "put":
+                    _send_header(conn, self._accept(conn, header))
+                elif header.get("op") == "get":
+                    self._serve_get(conn, header)
+                else:
+                    _send_header(conn, {"ok": False, "error": f"unknown op {header.get('op')!r}"})
+            except (OSError, PeerError, ValueError, KeyError, TypeError) as exc:
+                log.debug("peer connection dropped: %s", exc)
+
+    def _accept(self, conn: socket.socket, header: dict[str, Any]) -> dict[str, Any]:
+        step, origin = int(header["step"]), int(header["rank"])
+        size = int(header["size"])
+        limit = self.config.memory_limit_bytes
+        with self._lock:
+            held = sum(p.nbytes for parts in self._held.values() for p in parts.values())
+        if limit is not None and held + size > limit:
+            _drain(conn, size)
+            log.warning("rank %d: refused rank %d's step %d part (%d bytes): the copies would hold %d bytes, over "
+                        "the limit of %d", self._rank, origin, step, size, held + size, limit)
+            return {"ok": False, "error": f"over this rank's peer memory limit ({limit} bytes)"}
+        part = _recv_part(conn, header, step, origin)
+        with self._lock:
+            if step < self._committed:
+                return {"ok": False, "error": f"stale: step {self._committed} is committed already"}
+            self._held.setdefault(origin, {})[step] = part
+            self._prune()
+            total = sum(p.nbytes for parts in self._held.values() for p in parts.values())
+        log.info("rank %d: holds rank %d's step %d part (%d bytes; %d bytes of copies in all)", self._rank, origin,
+                 step, size, total)
+        return {"ok": True}
+
+    def _serve_get(self, conn: socket.socket, header: dict[str, Any]) -> None:
+        step, origin, names = int(header["step"]), int(header["rank"]), set(header.get("names") or ())
+        with self._lock:
+            if self._own is not None and (self._own.rank, self._own.step) == (origin, step):
+                part: Part | None = self._own
+            else:
+                part = self._held.get(origin, {}).get(step)
+        if part is None:
+            _send_header(conn, {"ok": False, "error": f"no part of rank {origin} at step {step} here"})
+            return
+        sub = Part(step, origin, {n: v for n, v in part.tensors.items() if not names or n in names})
+        entries, size = _entries(sub)
+        _send_header(conn, {"ok": True, "entries": entries, "size": size, "digest": _digest(sub)})
+        for chunk in _chunks(sub):
+            conn.sendall(chunk)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+
+def _raw(data: torch.Tensor) -> torch.Tensor:
+    flat = data.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _entries(part: Part) -> tuple[list[dict[str, Any]], int]:
+    """The payload's layout (each tensor at an offset aligned to ``_ALIGN``) and its size."""
+    entries, off = [], 0
+    for name, (region, data) in part.tensors.items():
+        nbytes = data.numel() * data.element_size()
+        entries.append({"name": name, "region": region.to_json(), "shape": list(region.shape), "dtype": str(data.dtype),
+                        "numel": int(data.numel()), "offset": off, "nbytes": nbytes})
+        off += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return entries, off
+
+
+def _chunks(part: Part) -> Iterator[memoryview]:
+    """The payload laid out as :func:`_entries` says: each tensor's bytes, then zeros to the next offset."""
+    pad = bytes(_ALIGN)
+    for _, data in part.tensors.values():
+        raw = _raw(data)
+        yield memoryview(raw.numpy())
+        extra = -raw.numel() % _ALIGN
+        if extra:
+            yield memoryview(pad)[:extra]
+
+
+def _digest(part: Part) -> str:
+    h = xxhash.xxh3_64()
+    for chunk in _chunks(part):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _recv_part(conn: socket.socket, header: dict[str, Any], step: int, origin: int) -> Part:
+    size = int(header["size"])
+    buf = torch.empty(size, dtype=torch.uint8)
+    _recv_into(conn, memoryview(buf.numpy()))
+    if xxhash.xxh3_64_hexdigest(memoryview(buf.numpy())) != str(header["digest"]):
+        raise PeerError(f"rank {origin}'s step {step} part arrived corrupt (its checksum differs)")
+    tensors: dict[str, tuple[Region, torch.Tensor]] = {}
+    for e in header["entries"]:
+        dtype = _DTYPES.get(str(e["dtype"]))
+        if dtype is None:
+            raise PeerError(f"unknown dtype {e['dtype']!r}")
+        off, n = int(e["offset"]), int(e["nbytes"])
+        if off % _ALIGN or off + n > size:
+            raise PeerError(f"tensor {e['name']!r}: bytes {off}..{off + n} outside the payload of {size}")
+        data = buf[off : off + n].view(dtype) if n else torch.empty(0, dtype=dtype)
+        if data.numel() != int(e["numel"]):
+            raise PeerError(f"tensor {e['name']!r}: {data.numel()} elements, header says {e['numel']}")
+        tensors[str(e["name"])] = (Region.from_json(e["shape"], e["region"]), data)
+    return Part(step, origin, tensors)
+
+
+def _send_header(conn: socket.socket, header: dict[str, Any]) -> None:
+    raw = json.dumps(header).encode()
+    conn.sendall(_HEADER.pack(len(raw)) + raw)
+
+
+def _recv_header(conn: socket.socket) -> dict[str, Any]:
+    head = bytearray(_HEADER.size)
+    _recv_into(conn, memoryview(head))
+    (n,) = _HEADER.unpack(head)
+    if n > _MAX_HEADER:
+        raise PeerError(f"header of {n} bytes: not a stalwart peer")
+    raw = bytearray(n)
+    _recv_into(conn, memoryview(raw))
+    obj = json.loads(raw)
+    if not isinstance(obj, dict):
+        raise PeerError("header is not an object")
+    return obj
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise PeerError(f"connection closed after {got} of {len(view)} bytes")
+        got += n
+
+
+def _drain(conn: socket.socket, size: int) -> None:
+    scratch = bytearray(1 << 20)
+    left = size
+    while left > 0:
+        n = conn.recv_into(memoryview(scratch)[: min(left, len(scratch))])
+        if n == 0:
+            return
+        left -= n
+
+
+def _route_to(host: str) -> str:
+    """This process's address on the route to ``host`` (the world's master)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 1))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
