@@ -49,6 +49,7 @@ class SpareEntry:
     pid: int
     start_time: int
     log_path: str
+    warm: bool = False  # connected and warm: its successor waits a moment for it to reconnect
 
 
 @dataclass(frozen=True)

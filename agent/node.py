@@ -174,6 +174,7 @@ class NodeAgent:
         self._start_times: dict[int, int] = {}  # pid -> kernel start time, for the state file
         self._handing_off = False  # stopping for a successor: the workers and the lease stay
         self._lost_while_away: list[WorkerExit] = []  # adopted round's workers that died meanwhile
+        self._adopted_warm: set[int] = set()  # pids of adopted spares that were warm
         self._unrecorded: dict[int, records_pb2.CheckpointRecord] = {}  # commits etcd has not taken yet
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -389,9 +390,12 @@ class NodeAgent:
     def _adopt_spares(self, saved: AgentState) -> None:
         """The warm spares the agent before left (they reconnect and say they are warm)."""
         adopted = 0
+        self._adopted_warm = set()
         for e in saved.spares:
             if not alive_and_same(e):
                 continue
+            if e.warm:
+                self._adopted_warm.add(e.pid)
             spare = Worker(-1, -1, AdoptedProcess(e.pid), Path(e.log_path), spare=True, on_exit=self._spare_exited)
             self._start_times[e.pid] = e.start_time
             self.spare_pool.add(spare)
@@ -405,8 +409,8 @@ class NodeAgent:
         """Give adopted spares a moment to reconnect before the first round is applied: a rank
         to fill would otherwise go to a cold new process while a warm spare is seconds away."""
         deadline = time.monotonic() + timeout
-        while True:
-            waiting = [s.pid for s in self.spare_pool.status() if not s.ready]
+        while True:  # only for those that were warm: one still warming up connects when it can
+            waiting = [s.pid for s in self.spare_pool.status() if not s.ready and s.pid in self._adopted_warm]
             if not waiting:
                 return
             if time.monotonic() > deadline:
@@ -442,13 +446,14 @@ class NodeAgent:
                     entries.append(WorkerEntry(w.local_rank, w.rank, w.pid, start, str(w.log_path),
                                                w.pid in self._state.can_reform))
             spares = []
+            warm = {s.pid for s in self.spare_pool.status() if s.warm}
             for w in self.spare_pool.workers():
                 if not w.running or w.stopping:
                     continue
                 start = self._start_times.get(w.pid) or process_start_time(w.pid)
                 if start is not None:
                     self._start_times[w.pid] = start
-                    spares.append(SpareEntry(w.pid, start, str(w.log_path)))
+                    spares.append(SpareEntry(w.pid, start, str(w.log_path), w.pid in warm))
             state = AgentState(self.config.job, self.config.node_id, lease.id,
                                record.SerializeToString() if record is not None else b"", tuple(entries),
                                self._state.restarts, tuple(spares))

@@ -91,7 +91,10 @@ class LocalCluster:
         self.master_port = free_port()
         self._python = sys.executable
         built = Path(__file__).resolve().parent.parent / ".venv" / "torch_extensions"  # scripts/setup.sh
+        # PYTHONFAULTHANDLER: a process that dies of a signal leaves its stack in its log (an
+        # adopted worker's exit status cannot be read, so the log is all there is).
         self._env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                         PYTHONFAULTHANDLER="1",
                          TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(built)))
 
     # -- bring-up ------------------------------------------------------------------------------
