@@ -156,15 +156,27 @@ def account(samples: Sequence[_Sample], faults: Sequence[_Fault], rounds: Sequen
 def _regrow_culprit(rounds: Sequence[_Round], faults: Sequence[_Fault], by_time: Sequence[int], start: float,
                     end: float) -> int | None:
     """For a pause [start - one step, end] around a regrow round: the latest fault, injected before
-    the pause, aimed at a node that the regrow took back in."""
+    the pause, aimed at a node that the regrow took back in — before that node left the world, when
+    it was in one: a fault that reached it while it was out (its agent killed while it warmed a
+    spare) did not take it out, so its regrow is not that fault's."""
     for k, rnd in enumerate(rounds):
         if not rnd.reason.startswith("regrow") or not start - 1.0 <= rnd.t <= end or k == 0:
             continue
         joiners = set(rnd.members) - set(rounds[k - 1].members)
-        aimed = [i for i in by_time if faults[i].target in joiners and faults[i].injected_at <= start]
+        aimed = [i for i in by_time if faults[i].target in joiners
+                 and faults[i].injected_at <= min(start, _left_at(rounds, k, faults[i].target))]
         if aimed:
             return aimed[-1]
     return None
+
+
+def _left_at(rounds: Sequence[_Round], k: int, node: str) -> float:
+    """When ``node``, not in round ``k - 1``, last left the world before round ``k`` (the round
+    that first went on without it); infinity if it was in no earlier round."""
+    for m in range(k - 2, -1, -1):
+        if node in rounds[m].members:
+            return rounds[m + 1].t
+    return float("inf")
 
 
 def _settled_at(ordered: Sequence[_Sample], since: float, normal: float) -> float:

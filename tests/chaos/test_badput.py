@@ -78,3 +78,18 @@ def test_a_pause_at_a_regrow_is_charged_to_the_fault_that_took_the_joiner_out() 
     acc = account(samples, [kill_agent, kill_daemon], rounds, wall_s=samples[-1].t, committed_step=55)
     assert acc.lost_by_fault[1] == 0.0
     assert acc.lost_by_fault[0] == pytest.approx(0.5 + 1.4)
+
+
+def test_a_regrow_is_not_charged_to_a_fault_that_reached_the_joiner_while_it_was_out() -> None:
+    # n1's worker killed at 1.95 (n1 leaves to warm a spare), its agent killed at 4.0 while it is
+    # out (its workers train on: nothing of the world changes), then n1 regrows at 6.0: the
+    # regrow's pause is the kill-worker's recovery, not the agent kill's.
+    samples = _steps(1.0, 1, 10) + _steps(2.5, 11, 35) + _steps(2.5 + 34 * 0.1 + 1.5, 46, 10)
+    kill_worker = FaultRecord("kill-worker", "n1", injected_at=1.95)
+    kill_agent = FaultRecord("kill-agent", "n1", injected_at=4.0)
+    rounds = [RoundChange(0.5, 1, 3, "first round", members=("n0", "n1", "n2")),
+              RoundChange(2.1, 2, 2, "node n1 worker failed", members=("n0", "n2")),
+              RoundChange(6.0, 3, 3, "regrow (checkpoint at step 40 committed)", members=("n0", "n2", "n1"))]
+    acc = account(samples, [kill_worker, kill_agent], rounds, wall_s=samples[-1].t, committed_step=55)
+    assert acc.lost_by_fault[1] == 0.0
+    assert acc.lost_by_fault[0] == pytest.approx(0.5 + 1.4)
