@@ -12,8 +12,9 @@ Pure: step samples, faults and rounds in (seconds since the run started), figure
   around a regrow round is the last part of the recovery of whatever took the joining nodes out:
   it is charged to the latest fault aimed at one of them. Other pauses are ``other``.
 - **Redone steps**: a step trained again after a rollback or a restore from an older checkpoint
-  wasted its earlier executions; their time is charged to the fault of the first pause after the
-  wasted execution, where the rollback or restore happened (``recomputation``).
+  wasted its earlier executions; their time is charged to the fault of the first pause, or step
+  back without one (a restore within a normal step), after the wasted execution: where the
+  rollback or restore happened (``recomputation``).
 - **Startup** is the time to the first step, less one normal step.
 - A pause is split by phase where the fault says when it was detected and the runner saw the
   round that followed: ``detection`` (injection to detection), ``decision`` (detection to the new
@@ -101,12 +102,14 @@ def account(samples: Sequence[_Sample], faults: Sequence[_Fault], rounds: Sequen
             return None
         return by_time[k - 1]
 
-    # For each execution, the culprit of the first pause after it (a rollback's cause).
+    # For each execution, the culprit of the first pause or step back after it (a rollback's
+    # cause: a fast restore, a regrow that re-formed within a step, goes back without a pause).
     next_pause: list[int | None] = [None] * len(ordered)
     following: int | None = None
     for i in range(len(ordered) - 1, -1, -1):
         next_pause[i] = following
-        if i > 0 and normal > 0 and ordered[i].t - ordered[i - 1].t > 2 * normal:
+        if i > 0 and normal > 0 and (ordered[i].t - ordered[i - 1].t > 2 * normal
+                                     or ordered[i].step <= ordered[i - 1].step):
             following = culprit(ordered[i - 1].t + normal, ordered[i].t)
 
     last_of_step = {s.step: i for i, s in enumerate(ordered)}

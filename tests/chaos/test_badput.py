@@ -93,3 +93,19 @@ def test_a_regrow_is_not_charged_to_a_fault_that_reached_the_joiner_while_it_was
     acc = account(samples, [kill_worker, kill_agent], rounds, wall_s=samples[-1].t, committed_step=55)
     assert acc.lost_by_fault[1] == 0.0
     assert acc.lost_by_fault[0] == pytest.approx(0.5 + 1.4)
+
+
+def test_steps_redone_after_a_restore_without_a_pause_are_the_restores_fault_not_the_next_pauses() -> None:
+    # n1 regrows at 4.05 and the world goes back from step 31 to 29 within a normal step (a fast
+    # re-form); an agent killed at 5.0 then causes a pause. The three redone steps are the regrow's
+    # (its culprit: the kill-worker that took n1 out), not the agent kill's.
+    samples = _steps(1.0, 1, 31) + _steps(1.0 + 30 * 0.1 + 0.1, 29, 10, round_=2) \
+        + _steps(1.0 + 30 * 0.1 + 0.1 + 9 * 0.1 + 0.6, 39, 10, round_=2)
+    kill_worker = FaultRecord("kill-worker", "n1", injected_at=0.5)
+    kill_agent = FaultRecord("kill-agent", "n1", injected_at=5.0)
+    rounds = [RoundChange(0.2, 1, 3, "first round", members=("n0", "n1", "n2")),
+              RoundChange(0.6, 2, 2, "node n1 worker failed", members=("n0", "n2")),
+              RoundChange(4.05, 3, 3, "regrow (checkpoint at step 28 committed)", members=("n0", "n2", "n1"))]
+    acc = account(samples, [kill_worker, kill_agent], rounds, wall_s=samples[-1].t, committed_step=48)
+    assert acc.redone_by_fault == [3, 0]  # steps 29, 30 and 31 ran twice
+    assert acc.lost_by_fault[1] == pytest.approx(0.5)
