@@ -14,6 +14,17 @@ fi
 # The Debian package starts a system etcd on the default ports; stalwart's tests use
 # their own on free ports, so it is harmless, but it is not needed either.
 
+# For the tests only: a real Slurm (slurmctld, slurmd, sbatch: tests/slurm start their own on
+# free ports) and promtool (checks deploy/prometheus/alerts.yml). Without them those tests are
+# skipped with the reason, so a failed install is a warning, not an error.
+if ! command -v slurmctld >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    echo "setup: installing Slurm and promtool for the tests (Debian packages slurm-wlm, prometheus)"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+        --no-install-recommends slurm-wlm prometheus >/dev/null; } \
+        || echo "setup: warning: could not install slurm-wlm/prometheus; their tests will be skipped"
+fi
+
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then
