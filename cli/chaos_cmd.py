@@ -25,8 +25,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="report directory (default: a new temporary directory)")
-    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="give up after this many seconds (default: 900, or the scenario's random-fault "
+                        "duration plus 900 when that is longer: the soak runs 1,800 s)")
     p.add_argument("--no-reference", action="store_true", help="skip the fault-free reference run")
+
+
+def default_timeout(scenario: object) -> float:
+    """900 s, or a scenario's random-fault window plus 900 s (a run must outlast its faults)."""
+    random = getattr(scenario, "random", None)
+    return 900.0 + (float(random.duration_s) if random is not None else 0.0)
 
 
 def _resolve(name: str) -> Path:
@@ -57,7 +65,8 @@ def run_scenario(args: argparse.Namespace) -> int:
           f"{scenario.job.steps} steps, {faults} faults; working in {out}", flush=True)
     # SIGTERM (a timeout, systemd, kill) must tear the cluster down like Ctrl-C does.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    runner = Runner(scenario, out / "work", progress=lambda line: print(line, flush=True), timeout=args.timeout,
+    timeout = args.timeout if args.timeout is not None else default_timeout(scenario)
+    runner = Runner(scenario, out / "work", progress=lambda line: print(line, flush=True), timeout=timeout,
                     reference=not args.no_reference)
     report = runner.run()
     paths = report_mod.write(report, out)

@@ -74,3 +74,12 @@ def test_uses_sees_the_timeline_and_the_random_kinds() -> None:
     assert s.uses("fill-disk") and s.uses("network-cut") and not s.uses("kill-agent")
     with pytest.raises(ScenarioError, match="cluster.checkpoint_fs_mb"):
         from_mapping({"cluster": {"checkpoint_fs_mb": 1}})
+
+
+def test_a_runs_default_timeout_outlasts_the_scenarios_random_faults() -> None:
+    from stalwart.cli.chaos_cmd import default_timeout
+
+    shipped = Path(__file__).resolve().parents[2] / "chaos" / "scenarios"
+    soak = load(shipped / "soak.toml")
+    assert soak.random is not None and default_timeout(soak) >= soak.random.duration_s + 600
+    assert default_timeout(load(shipped / "default.toml")) == 900.0
