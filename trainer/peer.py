@@ -59,13 +59,17 @@ class PeerConfig:
     """``replicas``: buddy copies of each rank's part (0: off). ``memory_limit_bytes``: most host
     memory the copies held for others may use in this process (``None``: no bound; a push beyond
     it is refused and logged, and that part is read from storage if it is ever needed).
-    ``timeout_s``: one push or pull. ``bind_host``: the listener's address (default every
+    ``timeout_s``: how long a push (in the background) waits for the peer at each step.
+    ``pull_timeout_s``: the same for a restore's pull, which is on the critical path: a holder that
+    stops answering (its node lost, its link cut since it said what it holds) is given up after
+    this long without a byte, and its part is read from storage. ``bind_host``: the listener's address (default every
     interface of the process's network namespace; the advertised one is the route to the world's
     master)."""
 
     replicas: int = 1
     memory_limit_bytes: int | None = None
     timeout_s: float = 60.0
+    pull_timeout_s: float = 3.0
     bind_host: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
@@ -73,8 +77,9 @@ class PeerConfig:
             raise ValueError(f"peer replicas must be >= 0, got {self.replicas}")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes < 0:
             raise ValueError(f"peer memory_limit_bytes must be >= 0 or None, got {self.memory_limit_bytes}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"peer timeout_s must be positive, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.pull_timeout_s <= 0:
+            raise ValueError(f"peer timeout_s and pull_timeout_s must be positive, got {self.timeout_s}, "
+                             f"{self.pull_timeout_s}")
 
 
 @dataclass
@@ -419,7 +424,7 @@ class PeerReplicas:
         return rest, result
 
     def _pull(self, peer: tuple[str, int], token: str, step: int, origin: int, names: list[str]) -> Part:
-        with socket.create_connection(peer, timeout=self.config.timeout_s) as s:
+        with socket.create_connection(peer, timeout=self.config.pull_timeout_s) as s:
             _send_header(s, {"op": "get", "token": token, "step": step, "rank": origin, "names": names})
             header = _recv_header(s)
             if not header.get("ok"):

@@ -142,3 +142,20 @@ def test_a_corrupt_payload_and_one_over_the_memory_limit_are_not_kept() -> None:
     finally:
         small.close()
         sender.close()
+
+
+def test_a_pull_from_a_holder_that_stops_answering_gives_up_within_the_pull_timeout() -> None:
+    """A restore's pull is on the critical path: a holder whose link was cut after it said what it
+    holds must not hold the restore up (the part is then read from storage)."""
+    import time
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    store = PeerReplicas(PeerConfig(pull_timeout_s=0.5))
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            store._pull(("127.0.0.1", silent.getsockname()[1]), "t", 6, 0, [])  # noqa: SLF001
+        assert time.monotonic() - started < 5.0
+    finally:
+        store.close()
+        silent.close()
