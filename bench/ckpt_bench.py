@@ -26,7 +26,7 @@ for ``--seconds`` of wall time without checkpointing and then with a stalwart ov
 ``--runs`` times interleaved; it reports steps/s, the throughput lost (%), the CPU time per step of
 the whole process (background threads included) and the stall. Then it restores the last
 checkpoint into the live tensors from storage, once as it is and once with reads throttled to
-``--throttle-mbps`` (a shared link: every chunk the loader reads waits its turn), so the cost of a
+``--throttle-mbps`` (``load(read_bytes_per_s=...)``: every chunk read waits its turn), so the cost of a
 restore from slow storage shows.
 
 Prints a table and writes JSON to ``bench/results/`` (``--out``); ``--dir`` (created if missing) is
@@ -36,7 +36,6 @@ the scratch directory on the disk to measure. This is a benchmark, not a test: n
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -46,16 +45,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from stalwart.ckpt import Checkpointer, RetentionPolicy, SaveConfig, SaveHandle, load
-from stalwart.ckpt import loader as loader_module
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
@@ -336,44 +332,6 @@ class _Trainer:
         return sum(t.numel() * t.element_size() for t in self.state().values())
 
 
-class _Throttle:
-    """A shared link of ``rate`` bytes/s: each caller waits for its turn to have moved ``n`` bytes."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self._lock = threading.Lock()
-        self._free_at = 0.0
-
-    def take(self, n: int) -> None:
-        with self._lock:
-            now = time.perf_counter()
-            self._free_at = max(self._free_at, now) + n / self.rate
-            wait = self._free_at - now
-        if wait > 0:
-            time.sleep(wait)
-
-
-@contextlib.contextmanager
-def throttled_reads(rate: float | None) -> Iterator[None]:
-    """Make every chunk the loader reads from storage pass through a link of ``rate`` bytes/s."""
-    if rate is None:
-        yield
-        return
-    throttle = _Throttle(rate)
-    original = loader_module._read_chunk
-
-    def read_chunk(*args: Any) -> int:
-        n = original(*args)
-        throttle.take(n)
-        return n
-
-    loader_module._read_chunk = read_chunk  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        loader_module._read_chunk = original  # type: ignore[assignment]
-
-
 def train_for(trainer: _Trainer, seconds: float, every: int, ckpt: Checkpointer | None) -> dict[str, Any]:
     """Train for ``seconds`` of wall time, saving every ``every`` steps when ``ckpt`` is given
     (overlap snapshot: the copy runs during the next forward/backward, waited on before the
@@ -423,8 +381,7 @@ def train_for(trainer: _Trainer, seconds: float, every: int, ckpt: Checkpointer 
 def restore(root: str, trainer: _Trainer, rate: float | None) -> dict[str, float]:
     targets = trainer.state()
     started = time.perf_counter()
-    with throttled_reads(rate):
-        result = load(root, targets)
+    result = load(root, targets, read_bytes_per_s=rate)  # the loader's read budget: a slow shared link
     seconds = time.perf_counter() - started
     return {"step": result.step, "seconds": seconds, "bytes_read": result.bytes_read,
             "GBps": result.bytes_read / seconds / 1e9}  # fmt: skip

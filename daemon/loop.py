@@ -611,26 +611,25 @@ class Daemon:
             return fn()
 
 
-def agent_answers(address: str, timeout: float = 0.3) -> bool:
-    """Whether an agent's ``host:port`` accepts a TCP connection (refused or no answer: gone)."""
+def _connect(address: str, timeout: float) -> str:
+    """Try a TCP connection to ``host:port``: "accepted", "refused" or "none" (no answer, or garbage)."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return True
+            return "accepted"
+    except ConnectionRefusedError:
+        return "refused"
     except (OSError, ValueError):
-        return False
+        return "none"
+
+
+def agent_answers(address: str, timeout: float = 0.3) -> bool:
+    """Whether an agent's ``host:port`` accepts a TCP connection (refused or no answer: gone)."""
+    return _connect(address, timeout) == "accepted"
 
 
 def host_answers(address: str, timeout: float = 0.3) -> bool:
     """Whether the host of an agent's ``host:port`` still answers: a connection accepted or
     refused (the agent is gone, the host is up) says yes; a timeout or an unreachable network
     says no (the host or its link is down)."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except ConnectionRefusedError:
-        return True
-    except (OSError, ValueError):
-        return False
+    return _connect(address, timeout) != "none"

@@ -23,36 +23,36 @@ two nodes or more.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
 from stalwart.ckpt import CommittedSnapshot, Region, SaveHandle, Shard
 from stalwart.proto.contract import ENV_NODE
+from stalwart.trainer.peer_wire import (
+    Part,
+    PeerError,
+    chunks,
+    digest,
+    drain,
+    entries,
+    recv_header,
+    recv_part,
+    send_header,
+)
 
 __all__ = ["PeerConfig", "PeerReplicas", "PeerFill", "Part", "buddies", "fill_from_parts"]
 
 log = logging.getLogger(__name__)
-
-_HEADER = struct.Struct("!I")  # length of the JSON header that starts every message
-_MAX_HEADER = 64 << 20
-_ALIGN = 64  # each tensor starts at a multiple of this in the payload (any dtype can view it)
-_DTYPES: dict[str, torch.dtype] = {str(d): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool)}  # fmt: skip
-
 
 @dataclass(frozen=True)
 class PeerConfig:
@@ -80,24 +80,6 @@ class PeerConfig:
         if self.timeout_s <= 0 or self.pull_timeout_s <= 0:
             raise ValueError(f"peer timeout_s and pull_timeout_s must be positive, got {self.timeout_s}, "
                              f"{self.pull_timeout_s}")
-
-
-@dataclass
-class Part:
-    """One rank's part of one committed step: ``tensors`` maps a name to the region of the
-    global tensor and a 1-D view of its elements, as in :class:`~stalwart.ckpt.CommittedSnapshot`."""
-
-    step: int
-    rank: int  # its rank in the world that saved it
-    tensors: dict[str, tuple[Region, torch.Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.tensors.values())
-
-    def summary(self) -> dict[str, Any]:
-        return {"step": self.step, "rank": self.rank, "nbytes": self.nbytes,
-                "tensors": {n: r.to_json() | {"shape": list(r.shape)} for n, (r, _) in self.tensors.items()}}
 
 
 @dataclass
@@ -208,10 +190,6 @@ def _useful(summary: dict[str, Any], targets: dict[str, torch.Tensor | Shard]) -
         elif "lengths" in reg and list(target.shape) == reg["shape"] == reg["lengths"]:
             names.append(name)
     return names
-
-
-class PeerError(Exception):
-    """A push or pull of a replica failed (the peer is gone, refused it, or the data is corrupt)."""
 
 
 class PeerReplicas:
@@ -325,14 +303,14 @@ class PeerReplicas:
                     return
 
     def _push(self, part: Part, host: str, port: int, token: str) -> None:
-        entries, size = _entries(part)
-        header = {"op": "put", "token": token, "step": part.step, "rank": part.rank, "entries": entries,
-                  "size": size, "digest": _digest(part)}
+        layout, size = entries(part)
+        header = {"op": "put", "token": token, "step": part.step, "rank": part.rank, "entries": layout,
+                  "size": size, "digest": digest(part)}
         with socket.create_connection((host, port), timeout=self.config.timeout_s) as s:
-            _send_header(s, header)
-            for chunk in _chunks(part):
+            send_header(s, header)
+            for chunk in chunks(part):
                 s.sendall(chunk)
-            reply = _recv_header(s)
+            reply = recv_header(s)
         if not reply.get("ok"):
             raise PeerError(str(reply.get("error", "refused")))
 
@@ -425,11 +403,11 @@ class PeerReplicas:
 
     def _pull(self, peer: tuple[str, int], token: str, step: int, origin: int, names: list[str]) -> Part:
         with socket.create_connection(peer, timeout=self.config.pull_timeout_s) as s:
-            _send_header(s, {"op": "get", "token": token, "step": step, "rank": origin, "names": names})
-            header = _recv_header(s)
+            send_header(s, {"op": "get", "token": token, "step": step, "rank": origin, "names": names})
+            header = recv_header(s)
             if not header.get("ok"):
                 raise PeerError(str(header.get("error", "refused")))
-            return _recv_part(s, header, step, origin)
+            return recv_part(s, header, step, origin)
 
     # -- serving ---------------------------------------------------------------------------------
 
@@ -445,18 +423,18 @@ class PeerReplicas:
         with conn:
             conn.settimeout(self.config.timeout_s)
             try:
-                header = _recv_header(conn)
+                header = recv_header(conn)
                 with self._lock:
                     token = self._token
                 if not token or not secrets.compare_digest(str(header.get("token", "")), token):
-                    _send_header(conn, {"ok": False, "error": "wrong token (not this job's world)"})
+                    send_header(conn, {"ok": False, "error": "wrong token (not this job's world)"})
                     return
                 if header.get("op") == "put":
-                    _send_header(conn, self._accept(conn, header))
+                    send_header(conn, self._accept(conn, header))
                 elif header.get("op") == "get":
                     self._serve_get(conn, header)
                 else:
-                    _send_header(conn, {"ok": False, "error": f"unknown op {header.get('op')!r}"})
+                    send_header(conn, {"ok": False, "error": f"unknown op {header.get('op')!r}"})
             except (OSError, PeerError, ValueError, KeyError, TypeError) as exc:
                 log.debug("peer connection dropped: %s", exc)
 
@@ -467,11 +445,11 @@ class PeerReplicas:
         with self._lock:
             held = sum(p.nbytes for parts in self._held.values() for p in parts.values())
         if limit is not None and held + size > limit:
-            _drain(conn, size)
+            drain(conn, size)
             log.warning("rank %d: refused rank %d's step %d part (%d bytes): the copies would hold %d bytes, over "
                         "the limit of %d", self._rank, origin, step, size, held + size, limit)
             return {"ok": False, "error": f"over this rank's peer memory limit ({limit} bytes)"}
-        part = _recv_part(conn, header, step, origin)
+        part = recv_part(conn, header, step, origin)
         with self._lock:
             if step < self._committed:
                 return {"ok": False, "error": f"stale: step {self._committed} is committed already"}
@@ -490,12 +468,12 @@ class PeerReplicas:
             else:
                 part = self._held.get(origin, {}).get(step)
         if part is None:
-            _send_header(conn, {"ok": False, "error": f"no part of rank {origin} at step {step} here"})
+            send_header(conn, {"ok": False, "error": f"no part of rank {origin} at step {step} here"})
             return
         sub = Part(step, origin, {n: v for n, v in part.tensors.items() if not names or n in names})
-        entries, size = _entries(sub)
-        _send_header(conn, {"ok": True, "entries": entries, "size": size, "digest": _digest(sub)})
-        for chunk in _chunks(sub):
+        layout, size = entries(sub)
+        send_header(conn, {"ok": True, "entries": layout, "size": size, "digest": digest(sub)})
+        for chunk in chunks(sub):
             conn.sendall(chunk)
 
     def close(self) -> None:
@@ -504,101 +482,6 @@ class PeerReplicas:
             self._listener.close()
         except OSError:
             pass
-
-
-def _raw(data: torch.Tensor) -> torch.Tensor:
-    flat = data.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def _entries(part: Part) -> tuple[list[dict[str, Any]], int]:
-    """The payload's layout (each tensor at an offset aligned to ``_ALIGN``) and its size."""
-    entries, off = [], 0
-    for name, (region, data) in part.tensors.items():
-        nbytes = data.numel() * data.element_size()
-        entries.append({"name": name, "region": region.to_json(), "shape": list(region.shape), "dtype": str(data.dtype),
-                        "numel": int(data.numel()), "offset": off, "nbytes": nbytes})
-        off += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    return entries, off
-
-
-def _chunks(part: Part) -> Iterator[memoryview]:
-    """The payload laid out as :func:`_entries` says: each tensor's bytes, then zeros to the next offset."""
-    pad = bytes(_ALIGN)
-    for _, data in part.tensors.values():
-        raw = _raw(data)
-        yield memoryview(raw.numpy())
-        extra = -raw.numel() % _ALIGN
-        if extra:
-            yield memoryview(pad)[:extra]
-
-
-def _digest(part: Part) -> str:
-    h = xxhash.xxh3_64()
-    for chunk in _chunks(part):
-        h.update(chunk)
-    return h.hexdigest()
-
-
-def _recv_part(conn: socket.socket, header: dict[str, Any], step: int, origin: int) -> Part:
-    size = int(header["size"])
-    buf = torch.empty(size, dtype=torch.uint8)
-    _recv_into(conn, memoryview(buf.numpy()))
-    if xxhash.xxh3_64_hexdigest(memoryview(buf.numpy())) != str(header["digest"]):
-        raise PeerError(f"rank {origin}'s step {step} part arrived corrupt (its checksum differs)")
-    tensors: dict[str, tuple[Region, torch.Tensor]] = {}
-    for e in header["entries"]:
-        dtype = _DTYPES.get(str(e["dtype"]))
-        if dtype is None:
-            raise PeerError(f"unknown dtype {e['dtype']!r}")
-        off, n = int(e["offset"]), int(e["nbytes"])
-        if off % _ALIGN or off + n > size:
-            raise PeerError(f"tensor {e['name']!r}: bytes {off}..{off + n} outside the payload of {size}")
-        data = buf[off : off + n].view(dtype) if n else torch.empty(0, dtype=dtype)
-        if data.numel() != int(e["numel"]):
-            raise PeerError(f"tensor {e['name']!r}: {data.numel()} elements, header says {e['numel']}")
-        tensors[str(e["name"])] = (Region.from_json(e["shape"], e["region"]), data)
-    return Part(step, origin, tensors)
-
-
-def _send_header(conn: socket.socket, header: dict[str, Any]) -> None:
-    raw = json.dumps(header).encode()
-    conn.sendall(_HEADER.pack(len(raw)) + raw)
-
-
-def _recv_header(conn: socket.socket) -> dict[str, Any]:
-    head = bytearray(_HEADER.size)
-    _recv_into(conn, memoryview(head))
-    (n,) = _HEADER.unpack(head)
-    if n > _MAX_HEADER:
-        raise PeerError(f"header of {n} bytes: not a stalwart peer")
-    raw = bytearray(n)
-    _recv_into(conn, memoryview(raw))
-    obj = json.loads(raw)
-    if not isinstance(obj, dict):
-        raise PeerError("header is not an object")
-    return obj
-
-
-def _recv_into(conn: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise PeerError(f"connection closed after {got} of {len(view)} bytes")
-        got += n
-
-
-def _drain(conn: socket.socket, size: int) -> None:
-    scratch = bytearray(1 << 20)
-    left = size
-    while left > 0:
-        n = conn.recv_into(memoryview(scratch)[: min(left, len(scratch))])
-        if n == 0:
-            return
-        left -= n
 
 
 def _route_to(host: str) -> str:

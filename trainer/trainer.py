@@ -71,7 +71,6 @@ from stalwart.ckpt import (
     RetentionPolicy,
     SaveConfig,
     SaveHandle,
-    Shard,
     TorchDistCoordinator,
     list_checkpoints,
     load,
@@ -101,7 +100,7 @@ from stalwart.trainer.health import (
     windows_of,
     write_journal,
 )
-from stalwart.trainer.peer import PeerConfig, PeerFill, PeerReplicas
+from stalwart.trainer.peer import Part, PeerConfig, PeerFill, PeerReplicas, fill_from_parts
 from stalwart.trainer.record import StepRecorder
 from stalwart.trainer.reform import (
     JoinSuperseded,
@@ -1163,7 +1162,9 @@ class Trainer:
                                                        self.world_size)
             host_bytes = self._peer_fill.own_bytes
         elif host is not None and host.step == found["newest"] and not staged:
-            targets, host_bytes = _fill_from_host(targets, host)
+            # this rank's own part alone (no peer replicas): the same fill, from one part
+            targets, copied = fill_from_parts(targets, [Part(host.step, self.rank, dict(host.tensors))])
+            host_bytes = sum(copied.values())
         try:
             result = load(root, targets, max_step=max_step, coordinator=self._coord,
                           timeout_s=self.config.commit_timeout_s, read_bytes_per_s=self.config.restore_read_bytes_per_s)
@@ -1267,49 +1268,6 @@ class Trainer:
                                               tensor=extra[0], step=s)
             return None
         return None
-
-
-def _fill_from_host(targets: dict[str, torch.Tensor | Shard],
-                    host: CommittedSnapshot) -> tuple[dict[str, torch.Tensor | Shard], int]:
-    """Copy into ``targets`` what ``host`` (this rank's part of the same committed save) holds.
-
-    Returns the targets still to read from disk (a flat range covered at one end shrinks to the
-    rest; one covered on neither end stays whole: the loader takes one region per name) and the
-    bytes copied. Bitwise what the loader would have read: the host copy is what was written.
-    """
-    rest: dict[str, torch.Tensor | Shard] = {}
-    copied = 0
-    for name, target in targets.items():
-        held = host.tensors.get(name)
-        if held is None:
-            rest[name] = target
-            continue
-        region, data = held
-        if isinstance(target, Shard):
-            t, tr = target.tensor, target.region
-            if (tr.flat is None or region.flat is None or tr.shape != region.shape or data.dtype != t.dtype
-                    or not t.is_contiguous() or t.device.type != "cpu"):
-                rest[name] = target
-                continue
-            (a, b), (c, d) = tr.flat, region.flat
-            i, j = max(a, c), min(b, d)
-            if i >= j or (i > a and j < b):
-                rest[name] = target
-                continue
-            flat = t.view(-1)
-            flat[i - a : j - a].copy_(data[i - c : j - c])
-            copied += (j - i) * t.element_size()
-            if i > a:
-                rest[name] = Shard.flat(flat[: i - a], tr.shape, a)
-            elif j < b:
-                rest[name] = Shard.flat(flat[j - a :], tr.shape, j)
-        elif (region.box is not None and tuple(region.shape) == tuple(target.shape) and region.numel == target.numel()
-              and data.dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu"):
-            target.view(-1).copy_(data)  # a replicated tensor this rank wrote whole
-            copied += target.numel() * target.element_size()
-        else:
-            rest[name] = target
-    return rest, copied
 
 
 def _newer_after_broken_join(agent: Any, spec: ReformSpec, exc: BaseException, wait_s: float) -> ReformSpec | None:

@@ -288,33 +288,30 @@ def test_a_lost_peer_report_is_confirmed_by_probing_the_accused_agents() -> None
     assert sorted(asked) == ["a.x:7077", "b.x:7077"]
 
 
-def test_agent_answers_only_when_the_port_accepts() -> None:
-    from stalwart.daemon.loop import agent_answers
-
+def _answers(probe: object) -> tuple[bool, bool, bool]:
+    """What ``probe`` says of a listening port, a refusing one and garbage."""
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
-        assert agent_answers(f"127.0.0.1:{listening.getsockname()[1]}")
+        accepted = probe(f"127.0.0.1:{listening.getsockname()[1]}")  # type: ignore[operator]
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         refused = closed.getsockname()[1]
-    assert not agent_answers(f"127.0.0.1:{refused}")
-    assert not agent_answers("not an address")
+    return accepted, probe(f"127.0.0.1:{refused}"), probe("not an address")  # type: ignore[operator]
+
+
+def test_agent_answers_only_when_the_port_accepts() -> None:
+    from stalwart.daemon.loop import agent_answers
+
+    assert _answers(agent_answers) == (True, False, False)
 
 
 def test_host_answers_for_a_listening_or_refusing_host_and_not_for_garbage() -> None:
     # (A host that does not answer at all, a cut link, is the chaos network-cut fault's case.)
+    # A refused connection: the agent is gone, the host is up.
     from stalwart.daemon.loop import host_answers
 
-    with socket.socket() as listening:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        assert host_answers(f"127.0.0.1:{listening.getsockname()[1]}")
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        refused = closed.getsockname()[1]
-    assert host_answers(f"127.0.0.1:{refused}")  # the agent is gone, the host is up
-    assert not host_answers("not an address")
+    assert _answers(host_answers) == (True, True, False)
 
 
 def test_a_standby_asks_the_host_of_a_member_without_a_node_key_from_the_round_record() -> None:
