@@ -136,11 +136,13 @@ class TrainerConfig:
     on a small model), once the agent's Reform has arrived. ``reform_wait_s``: after a collective
     error, how long a survivor waits for that Reform before it raises :class:`ReformFailed`.
     ``dist_timeout_s``: how long joining a world waits for its peers (store and rendezvous).
-    ``nccl_abort_after_s`` (NCCL only; gloo cuts the old world's connections instead): when a
-    Reform has found this rank still in the old world this long, its main thread is taken to be
-    stuck in a collective on a lost peer and every process group is aborted (``ncclCommAbort``),
-    so that collective raises and the rank re-forms. ``None``: 3 × the last step time, at least
-    5 s (a Reform is otherwise applied at the next step boundary).
+    ``abort_stuck_after_s``: when a Reform finds this rank still in a step that has run this long,
+    its main thread is taken to be stuck in a collective on a lost peer (one behind a cut link or
+    hung: its connections stay open, so nothing fails before ``collective_timeout_s``), and the
+    old world is aborted so that the collective raises and the rank re-forms at once: NCCL aborts
+    every process group (``ncclCommAbort``), gloo, which has no abort, shuts down the old world's
+    connections. ``None``: 3 × the last step time, at least 1 s (a rank that is not stuck applies
+    the Reform at the next step boundary, well within that).
     ``restore_read_bytes_per_s``: a budget for each restore's reads from storage, per rank
     (``None``: none), so that a whole world restoring at once does not saturate a shared file system.
     ``peer``: buddy replicas of each rank's checkpoint part in other nodes' host memory, the
@@ -163,7 +165,7 @@ class TrainerConfig:
     commit_timeout_s: float = 600.0
     collective_timeout_s: float = 30.0
     reform_wait_s: float = 60.0
-    nccl_abort_after_s: float | None = None
+    abort_stuck_after_s: float | None = None
     health: HealthConfig = field(default_factory=HealthConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
     restore_read_bytes_per_s: float | None = None
@@ -188,8 +190,8 @@ class TrainerConfig:
         if min(self.dist_timeout_s, self.commit_timeout_s, self.collective_timeout_s, self.reform_wait_s) <= 0:
             raise ValueError("dist_timeout_s, commit_timeout_s, collective_timeout_s and reform_wait_s "
                              "must be positive")
-        if self.nccl_abort_after_s is not None and self.nccl_abort_after_s <= 0:
-            raise ValueError(f"nccl_abort_after_s must be positive or None, got {self.nccl_abort_after_s}")
+        if self.abort_stuck_after_s is not None and self.abort_stuck_after_s <= 0:
+            raise ValueError(f"abort_stuck_after_s must be positive or None, got {self.abort_stuck_after_s}")
         if not isinstance(self.health, HealthConfig):
             raise ValueError(f"health must be a HealthConfig, got {type(self.health).__name__}")
         if self.restore_read_bytes_per_s is not None and self.restore_read_bytes_per_s <= 0:
@@ -216,6 +218,11 @@ def _abort_all_groups() -> None:
         _abort_process_group()
     except Exception as exc:  # noqa: BLE001 - the collective timeout still bounds the wait
         log.error("aborting the process groups failed: %s: %s", type(exc).__name__, exc)
+
+
+def _cut_old_world() -> None:
+    """gloo's stand-in for an abort: its blocked receives fail once their connections are shut."""
+    world_sockets.cut(keep_ports=store_ports())
 
 
 def backend_for_device() -> str:
@@ -362,6 +369,7 @@ class Trainer:
         # Some rank had a Reform when the last step closed: every rank leaves at this boundary.
         self._leave_agreed = False
         self._leaves = 0  # times this process began to leave a world (see _abort_if_stuck)
+        self._reforming = False  # between leaving a world and being restored in the next
         self._left_world = threading.Event()
         self._last_step_time = 0.0
         self._first_step_pending: ReformTimings | None = None
@@ -546,26 +554,30 @@ class Trainer:
             leaves = self._leaves
         log.warning("rank %d round %d step %d: Reform to rank %d of %d in round %d", self.rank, self.round,
                     self.step, spec.rank, spec.world_size, spec.round)
-        if backend_for_device() == "nccl":
-            threading.Thread(target=self._abort_if_stuck, args=(leaves, _abort_all_groups), daemon=True,
-                             name="stalwart-nccl-abort").start()
+        abort = _abort_all_groups if backend_for_device() == "nccl" else _cut_old_world
+        threading.Thread(target=self._abort_if_stuck, args=(leaves, abort), daemon=True,
+                         name="stalwart-stuck-abort").start()
 
-    def _abort_if_stuck(self, leaves: int, abort: Callable[[], None]) -> bool:
-        """NCCL's abort path (gloo has none: see ``world_sockets``). Wait ``nccl_abort_after_s``;
-        if this rank has not begun to leave the old world by then (``leaves`` unchanged), its main
-        thread is stuck in a collective on a lost peer: ``abort`` every process group so that the
-        collective raises and :meth:`train` re-forms. Returns whether it aborted."""
-        wait = self.config.nccl_abort_after_s
+    def _abort_if_stuck(self, leaves: int, abort: Callable[[], object]) -> bool:
+        """After a Reform: if this rank's current step runs ``abort_stuck_after_s`` without the
+        rank beginning to leave the old world (``leaves`` unchanged), its main thread is stuck in a
+        collective on a lost peer: ``abort`` the old world (NCCL: every process group; gloo: its
+        connections) so that the collective raises and :meth:`train` re-forms. A rank already
+        re-forming is left alone: its join gives way to a newer round by itself. Returns whether
+        it aborted."""
+        wait = self.config.abort_stuck_after_s
         if wait is None:
-            wait = max(5.0, 3.0 * self._last_step_time)
-        if self._left_world.wait(wait) and self._leaves != leaves:
+            wait = max(1.0, 3.0 * self._last_step_time)
+        remaining = self._step_started + wait - time.perf_counter()
+        if remaining > 0 and self._left_world.wait(remaining) and self._leaves != leaves:
             return False
-        with self._reform_lock:
-            if self._leaves != leaves:
+        with self._reform_lock:  # held while aborting: the main thread cannot begin a join meanwhile
+            if self._leaves != leaves or self._reforming:
                 return False
-        log.error("rank %d round %d step %d: still in the old world %.1f s after a Reform: aborting its "
-                  "process groups", self.rank, self.round, self.step, wait)
-        abort()
+            log.error("rank %d round %d step %d: stuck in its step %.1f s, past %.1f s, after a Reform: "
+                      "aborting the old world", self.rank, self.round, self.step,
+                      time.perf_counter() - self._step_started, wait)
+            abort()
         return True
 
     @property
@@ -676,8 +688,16 @@ class Trainer:
                                error_seen_at=error_seen_at, started_at=time.time(), left_step=self.step)
         with self._reform_lock:
             self._leaves += 1
+            self._reforming = True
         self._left_world.set()
         self._left_world.clear()
+        try:
+            return self._reform(spec, timing, cause)
+        finally:
+            with self._reform_lock:
+                self._reforming = False
+
+    def _reform(self, spec: ReformSpec, timing: ReformTimings, cause: str) -> ReformTimings:
         if self.cannot_reform is not None:
             raise ReformFailed(self.cannot_reform, round=spec.round)
         self._check_world(spec)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterable, Iterator
 
 __all__ = ["WorldSockets", "world_sockets"]
@@ -30,50 +31,67 @@ class WorldSockets:
     def __init__(self) -> None:
         self._before: set[int] | None = None
         self._world: set[int] = set()
+        self._lock = threading.Lock()  # the main thread records, a stuck-step watcher may cut
 
     @property
     def recording(self) -> bool:
         return self._before is not None
 
     def joining(self) -> None:
-        self._before = {ino for ino, _ in _tcp_sockets()}
-        self._world = set()
+        with self._lock:
+            self._before = {ino for ino, _ in _tcp_sockets()}
+            self._world = set()
 
     def ready(self, keep_ports: Iterable[int]) -> int:
         """Record the world's connections: those opened since :meth:`joining`, except any to or
         from ``keep_ports`` (the rendezvous stores) and listeners (gloo's listener thread dies on
         an accept error, taking the process with it). Returns how many."""
-        if self._before is None:
-            return 0
-        keep = set(keep_ports) - {0}
-        self._world = {ino for ino, (local, remote) in _tcp_sockets()
-                       if ino not in self._before and remote and local not in keep and remote not in keep}
-        self._before = None
-        return len(self._world)
+        with self._lock:
+            if self._before is None:
+                return 0
+            self._world = self._opened_since(self._before, keep_ports)
+            self._before = None
+            return len(self._world)
 
-    def cut(self) -> int:
+    @staticmethod
+    def _opened_since(before: set[int], keep_ports: Iterable[int]) -> set[int]:
+        keep = set(keep_ports) - {0}
+        return {ino for ino, (local, remote) in _tcp_sockets()
+                if ino not in before and remote and local not in keep and remote not in keep}
+
+    def cut(self, keep_ports: Iterable[int] | None = None) -> int:
         """Shut down every recorded connection still open (both directions); forget them.
-        Returns how many were cut."""
-        world, self._world, self._before = self._world, set(), None
-        cut = 0
-        for fd, ino in _socket_fds():
-            if ino not in world:
-                continue
-            try:
-                dup = os.dup(fd)
-            except OSError:
-                continue
-            with socket.socket(fileno=dup) as sock:
-                if os.fstat(dup).st_ino != ino:
-                    continue  # the descriptor was reused meanwhile
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
+        Given ``keep_ports`` while the world's first step is still running (nothing recorded yet),
+        the connections opened since :meth:`joining` less those are cut instead. Returns how many
+        were cut."""
+        with self._lock:
+            world, before = self._world, self._before
+            if before is not None and keep_ports is not None:
+                world = self._opened_since(before, keep_ports)
+            self._world, self._before = set(), None
+            cut = 0
+            for fd, ino in _socket_fds():
+                if ino in world and _shut_down(fd, ino):
                     cut += 1
-                except OSError:
-                    pass  # already shut down
         if cut:
             log.info("cut %d connection(s) of the old world", cut)
         return cut
+
+
+def _shut_down(fd: int, ino: int) -> bool:
+    """Shut socket ``fd`` down both ways if it is still socket ``ino``; whether it was."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False
+    with socket.socket(fileno=dup) as sock:
+        if os.fstat(dup).st_ino != ino:
+            return False  # the descriptor was reused meanwhile
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False  # already shut down
 
 
 def _socket_fds() -> Iterator[tuple[int, int]]:

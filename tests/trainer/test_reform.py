@@ -225,12 +225,15 @@ def test_a_warm_spare_takes_the_dead_rank_2_to_2_and_matches_a_restart_bitwise(
     assert_same_as_restart(job, "w0", ref)
 
 
-def test_a_survivor_of_a_sigstopped_peer_is_out_within_the_collective_timeout(
+def test_survivors_of_a_sigstopped_peer_abort_their_stuck_step_when_the_reform_comes(
         ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness]) -> None:
-    timeout = 4.0
+    """A SIGSTOPed peer keeps its connections open, as one behind a cut link does, so gloo would
+    hold the survivors in step 7's collectives until the collective timeout (60 s here). The
+    Reform finds them stuck in that step (past the 1 s floor) and they cut their old world's
+    connections: the collective fails at once and they re-form."""
+    timeout = 60.0
     job, new_port = start_three(jobs, ds_env, tmp_path, timeout, 2, ("--stop-at-step", str(KILL_AT)))
     stopped = job.wait_marker("w2", "stopped")
-    # The agent's Reform is already there: what bounds the survivors is gloo's timeout.
     job.reform("w0", rank=0, world=2, port=new_port, round=1)
     job.reform("w1", rank=1, world=2, port=new_port, round=1)
     results = job.wait(["w0", "w1"])
@@ -240,10 +243,10 @@ def test_a_survivor_of_a_sigstopped_peer_is_out_within_the_collective_timeout(
         assert "error" not in res, (name, res["error"], job.logs())
         (t,) = res["reforms"]
         assert t["cause"] == "collective_error"
-        # The documented bound: collective_timeout_s + the re-form time (slack: a loaded machine).
-        assert t["error_seen_at"] - stopped["time"] <= timeout + 3.0
-        assert t["first_step_at"] - t["error_seen_at"] <= 10.0
+        assert t["error_seen_at"] - stopped["time"] < timeout / 4, (name, t)  # not the collective timeout
         assert res["step"] == STEPS
+    for name in ("w0", "w1"):
+        assert "aborting the old world" in (job.root / f"{name}.log").read_text(), name
 
 
 def test_ranks_whose_reforms_come_at_different_steps_leave_the_old_world_at_the_same_step(

@@ -1,0 +1,71 @@
+"""The stuck-step abort, its decision only: the abort itself is a recorded call (the real one,
+gloo's cut and NCCL's group abort, is exercised by ``test_reform.py``'s SIGSTOP survivors).
+
+A Reform that finds the rank in a step that has run ``abort_stuck_after_s`` means its main thread
+is stuck in a collective on a lost peer: the old world is aborted. A rank that begins to leave in
+time, or is already re-forming, is left alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from stalwart.trainer import Trainer, TrainerConfig
+
+
+def _trainer(after: float | None, *, step_began: float = 0.0) -> Trainer:
+    t = Trainer.__new__(Trainer)  # the decision needs no world
+    t.config = TrainerConfig(checkpoint_dir="unused", global_batch=2, micro_batch=1, dataset_len=2,
+                             abort_stuck_after_s=after)
+    t._reform_lock, t._left_world, t._leaves, t._last_step_time = threading.Lock(), threading.Event(), 0, 0.0
+    t._reforming = False
+    t._step_started = time.perf_counter() - step_began
+    t.rank = t.round = t.step = 0
+    return t
+
+
+def test_a_rank_stuck_in_its_step_aborts_the_old_world() -> None:
+    t, calls = _trainer(0.05), []
+    assert t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == ["abort"]
+
+
+def test_a_step_already_past_the_limit_when_the_reform_comes_aborts_at_once() -> None:
+    t, calls = _trainer(3600.0, step_began=7200.0), []  # stuck for two hours already: no wait
+    assert t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == ["abort"]
+
+
+def test_a_rank_that_began_to_leave_in_time_does_not_abort() -> None:
+    t, calls = _trainer(3600.0), []
+
+    def leave() -> None:
+        time.sleep(0.05)
+        with t._reform_lock:
+            t._leaves += 1
+        t._left_world.set()
+
+    threading.Thread(target=leave).start()
+    assert not t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == []  # returned: it left
+
+
+def test_a_rank_already_reforming_is_left_to_its_join() -> None:
+    t, calls = _trainer(0.01, step_began=1.0), []
+    t._reforming = True  # the Reform came while it joins an earlier round: the join gives way itself
+    assert not t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == []
+
+
+def test_the_default_limit_follows_the_step_time() -> None:
+    t, calls = _trainer(None, step_began=1.5), []
+    t._last_step_time = 0.01  # 3 x 0.01 s is under the 1 s floor, which the step is past
+    assert t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == ["abort"]
+    t, calls = _trainer(None, step_began=1.5), []
+    t._last_step_time = 3600.0  # a step this slow is not stuck at 1.5 s
+
+    def leave() -> None:
+        time.sleep(0.05)
+        with t._reform_lock:
+            t._leaves += 1
+        t._left_world.set()
+
+    threading.Thread(target=leave).start()
+    assert not t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == []
