@@ -98,6 +98,10 @@ class AgentConfig:
     stall_first_step: float = 300.0
     progress_interval: float = 5.0  # seconds between progress writes to etcd (rate limit)
     peer_probe_interval: float = 5.0
+    # When a worker stalls with its process running (blocked in a collective), the agent checks
+    # this many of the round's members after its own (a ring): one whose host does not answer is
+    # reported lost, so a cut link costs a stall timeout, not a lease TTL. O(1) in the world size.
+    peer_probe_neighbours: int = 3
     metrics_port: int | None = None
     metrics_host: str | None = None  # default: listen's host
     cwd: str | None = None
@@ -127,6 +131,8 @@ class AgentConfig:
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         _check(bool(self.command), "command", "must name the program each worker runs")
         _check(self.workers >= 1, "workers", f"must be >= 1, got {self.workers}")
+        _check(self.peer_probe_neighbours >= 0, "peer_probe_neighbours",
+               f"must be >= 0, got {self.peer_probe_neighbours}")
         _check(self.lease_ttl >= 2, "lease_ttl", f"must be >= 2 s (etcd's minimum), got {self.lease_ttl}")
         for name in ("stop_grace", "probe_interval", "progress_interval", "peer_probe_interval", "stall_floor",
                      "stall_first_step"):

@@ -162,3 +162,13 @@ def spares_may_start(*, warming: bool, replacing: bool, workers: int, stepped: i
     this node's workers in the current round (0: none); ``stepped``: how many of them reported a
     step in it."""
     return warming or replacing or (workers > 0 and stepped >= workers)
+
+
+def ring_neighbours(members: list[str], me: str, k: int) -> list[str]:
+    """The ``k`` members after ``me`` in the round's order, wrapping around (fewer in a smaller
+    world; none when ``me`` is not a member). Each member is so checked by the ``k`` before it:
+    a lost one is found by someone, and a check costs O(k), not O(world size)."""
+    if me not in members:
+        return []
+    i, n = members.index(me), len(members)
+    return [members[(i + j) % n] for j in range(1, min(k, n - 1) + 1)]

@@ -83,6 +83,12 @@ class FakeProbe:
         self.devices = devices
         self._findings: list[Finding] = []
         self._lock = threading.Lock()
+        self._answering = threading.Event()  # cleared: polls block, as in a hung driver call
+        self._answering.set()
+
+    def hang(self) -> None:
+        """Every poll from now on blocks until :meth:`clear` (or :meth:`close`)."""
+        self._answering.clear()
 
     def inject(self, kind: str, device: int = 0, code: int = 0) -> Finding:
         """``kind``: "xid" (with ``code``), "ecc-dbe" or "gpu-lost"."""
@@ -103,13 +109,15 @@ class FakeProbe:
     def clear(self) -> None:
         with self._lock:
             self._findings.clear()
+        self._answering.set()
 
     def poll(self) -> list[Finding]:
+        self._answering.wait()
         with self._lock:
             return list(self._findings)
 
     def close(self) -> None:
-        pass
+        self._answering.set()
 
 
 class ProbeUnavailable(RuntimeError):

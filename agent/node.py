@@ -32,6 +32,8 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -62,6 +64,7 @@ from stalwart.agent.core import (
     keep_verdict,
     lost_before_step,
     overdue_reform,
+    ring_neighbours,
     spares_may_start,
 )
 from stalwart.agent.health import FakeProbe, Finding, HealthProbe, Severity, make_probe, verdict
@@ -84,6 +87,7 @@ from stalwart.coord.client import EtcdClient
 from stalwart.coord.errors import CoordError, EtcdUnavailable, LeaseLost
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.lease import Lease
+from stalwart.coord.reach import tcp_probe
 from stalwart.coord.txn import Put
 from stalwart.coord.watch import EventType, Watch
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
@@ -127,6 +131,7 @@ class _State:
     unreachable: list[str] = field(default_factory=list)
     lost_peers: set[str] = field(default_factory=set)  # members of lost_peers_round our workers lost
     lost_peers_round: int = 0
+    cut_check_round: int = 0  # the last round whose ring neighbours a stalled worker had checked
     progress: dict[int, _Progress] = field(default_factory=dict)
     draining: bool = False
     restarts: int = 0
@@ -153,6 +158,11 @@ class NodeAgent:
         self._lock = threading.RLock()
         self._commands: queue.Queue[tuple[str, object]] = queue.Queue()
         self._stop = threading.Event()
+        # When each long-running loop last went round (monotonic): the watchdog pings only while
+        # every one does, so a loop stuck in a call (a hung driver, a deadlock) gets the agent restarted.
+        self._beats: dict[str, float] = {}
+        self._health_write = threading.Lock()  # one health write at a time, each of the newest state
+        self._probed: list[Finding] = []  # the health probe's last sample (see _poll_probe)
         self._lease: Lease | None = None
         self._servers: list[grpc.Server] = []
         self._watch: Watch | None = None
@@ -259,6 +269,7 @@ class NodeAgent:
             versions={name: _version(name) for name in ("stalwart", "torch", "deepspeed")},
         )
         self._lease = lease
+        self._poll_probe()
         # One transaction: the daemon sees the node and whether it is ready to join (its health
         # record's ``replacing``) in the same watch event, never the node alone.
         health = self._health_record()
@@ -267,9 +278,17 @@ class NodeAgent:
         self.client.txn([], [Put(self.keys.node(self.config.node_id), record.SerializeToString(), lease.id),
                              Put(self.keys.health(self.config.node_id), health.SerializeToString(), lease.id)])
 
+    def alive(self, stale_after: float) -> bool:
+        """Whether the main loop and the monitor loop have each gone round within ``stale_after``
+        seconds (the systemd watchdog's question; false before both have started)."""
+        now = time.monotonic()
+        beats = dict(self._beats)
+        return all(now - beats.get(loop, -float("inf")) <= stale_after for loop in ("main", "monitor"))
+
     def run(self) -> None:
         """The main loop; returns after :meth:`shutdown`."""
         while not self._stop.is_set():
+            self._beats["main"] = time.monotonic()
             try:
                 self._maintain_spares()
                 kind, payload = self._commands.get(timeout=0.5)
@@ -991,7 +1010,8 @@ class NodeAgent:
 
     def _monitor(self) -> None:
         while not self._stop.wait(min(0.25, self.config.probe_interval)):
-            now = time.monotonic()
+            self._poll_probe()
+            now = self._beats["monitor"] = time.monotonic()
             self._check_reforms(now)
             with self._lock:
                 group = self._state.group
@@ -1015,6 +1035,8 @@ class NodeAgent:
                         f"rank {stall.rank}: no step for {stall.silent_for:.1f} s (timeout {stall.timeout:.1f} s)"
                         + ("" if stopped else ", process running"),
                         group.assignment.round if group is not None else 0))
+                if not stopped:
+                    self._check_ring_once()
             try:
                 self._publish_health()
                 self._publish_progress()
@@ -1027,7 +1049,15 @@ class NodeAgent:
         """Probe findings decide the node's verdict. Worker and stall findings are listed with
         severity OK: they say the round broke (the daemon restarts it), not that the node is bad."""
         with self._lock:
-            return self.probe.poll() + list(self._state.worker_findings)
+            return list(self._probed) + list(self._state.worker_findings)
+
+    def _poll_probe(self) -> None:
+        """Sample the health probe (NVML) into ``_probed``: from the monitor loop, never under a
+        lock, so a slow or hung driver call delays only that loop (whose stall stops the watchdog),
+        not the agent's other work, which reads the last sample."""
+        polled = self.probe.poll()
+        with self._lock:
+            self._probed = polled
 
     def _health_record(self) -> records_pb2.HealthRecord:
         found = self.findings()
@@ -1045,15 +1075,19 @@ class NodeAgent:
         )
 
     def _publish_health(self, force: bool = False) -> None:
-        record = self._health_record()
-        raw = record.SerializeToString()
-        if raw == self._last_health and not force:
-            return
-        self._last_health = raw
-        self.metrics.set_findings([(f.code, records_pb2.HealthState.Name(f.state)) for f in record.findings])
-        record.checked_at = time.time()
-        lease = self._lease.id if self._lease else 0
-        self.client.put(self.keys.health(self.config.node_id), record.SerializeToString(), lease=lease)
+        """Write the health record. Several threads call this: each builds and writes under one
+        lock, so a record built from older state can never land after a newer one (the daemon
+        would then miss a worker failure until the stall timeout)."""
+        with self._health_write:
+            record = self._health_record()
+            raw = record.SerializeToString()
+            if raw == self._last_health and not force:
+                return
+            self._last_health = raw
+            self.metrics.set_findings([(f.code, records_pb2.HealthState.Name(f.state)) for f in record.findings])
+            record.checked_at = time.time()
+            lease = self._lease.id if self._lease else 0
+            self.client.put(self.keys.health(self.config.node_id), record.SerializeToString(), lease=lease)
         if record.state == records_pb2.HEALTH_FATAL:
             log.error("agent %s: node unhealthy: %s", self.config.node_id,
                       ", ".join(f"{f.code} on device {f.device}" for f in record.findings if f.state == 3))
@@ -1134,8 +1168,36 @@ class NodeAgent:
             threading.Thread(target=self._check_lost_peers, args=(round, suspects), daemon=True,
                              name="agent-lost-peers").start()
 
-    def _check_lost_peers(self, round: int, suspects: list[records_pb2.RoundMember]) -> None:
-        lost = {m.node_id for m in suspects if not self._ping(m.address, timeout=0.5)}
+    def _check_ring_once(self) -> None:
+        """A worker of this node is blocked in a collective (stalled, its process running): the
+        peer it waits on may sit behind a cut link, which nothing sees before its lease expires.
+        Check ``peer_probe_neighbours`` members after this node in the round (once a round, on a
+        thread); one whose host does not answer at all is reported lost. A host that refuses the
+        connection is up (its agent restarts, say): its workers may well be training, so it is
+        not accused."""
+        with self._lock:
+            rnd = self._state.round
+            if rnd is None or self._state.cut_check_round == rnd.number:
+                return
+            self._state.cut_check_round = rnd.number
+            neighbours = ring_neighbours([m.node_id for m in rnd.members], self.config.node_id,
+                                         self.config.peer_probe_neighbours)
+            suspects = [m for m in rnd.members if m.node_id in neighbours and m.address]
+        if suspects:
+            threading.Thread(target=self._check_lost_peers, args=(rnd.number, suspects, self._host_gone),
+                             daemon=True, name="agent-ring-check").start()
+
+    def _host_gone(self, address: str) -> bool:
+        return self._drop_peers.is_set() or tcp_probe(address, timeout=0.5) == "none"
+
+    def _check_lost_peers(self, round: int, suspects: list[records_pb2.RoundMember],
+                          gone: Callable[[str], bool] | None = None) -> None:
+        """Report the ``suspects`` that are ``gone`` (default: their agent does not answer a Ping),
+        asked in parallel: a host behind a cut link takes the whole timeout."""
+        gone = gone or (lambda address: not self._ping(address, timeout=0.5))
+        with ThreadPoolExecutor(max_workers=max(1, len(suspects)), thread_name_prefix="agent-probe") as pool:
+            answers = list(pool.map(lambda m: gone(m.address), suspects))
+        lost = {m.node_id for m, g in zip(suspects, answers, strict=True) if g}
         if not lost:
             return
         with self._lock:
@@ -1146,7 +1208,7 @@ class NodeAgent:
             if lost <= self._state.lost_peers:
                 return
             self._state.lost_peers |= lost
-        log.error("agent %s: round %d: %s lost (workers' collectives broke on them, their agents do not answer)",
+        log.error("agent %s: round %d: %s lost (workers' collectives broke or blocked on them, they do not answer)",
                   self.config.node_id, round, ", ".join(sorted(lost)), extra={"node": self.config.node_id,
                                                                              "round": round})
         try:
@@ -1361,6 +1423,12 @@ class NodeAgent:
             return "dropping peer traffic: not answering peers' probes, not reaching them"
         if kind == "clear":
             self._drop_peers.clear()
+        if kind == "gpu-hang":
+            if not isinstance(self.probe, FakeProbe):
+                raise FaultRefused(f"GPU faults can only be injected with the fake probe, not {self.probe.name}")
+            self.probe.hang()  # the monitor loop's next sample hangs; the rest of the agent reads the last one
+            self.metrics.faults.labels(self.config.node_id, "injected-gpu-hang").inc()
+            return "the GPU probe's polls hang until cleared"
         if kind in ("gpu-xid", "gpu-ecc-dbe", "gpu-lost", "clear"):
             if not isinstance(self.probe, FakeProbe):
                 if kind == "clear":
@@ -1379,6 +1447,7 @@ class NodeAgent:
                     raise FaultRefused(str(exc)) from exc
                 detail = f"injected {finding.code} on device {device} ({finding.severity.name.lower()})"
                 self.metrics.faults.labels(self.config.node_id, f"injected-{finding.code}").inc()
+            self._poll_probe()
             self._publish_health(force=True)
             return detail
         sig = {"kill-worker": signal.SIGKILL, "hang-worker": signal.SIGSTOP}[kind]

@@ -99,6 +99,7 @@ _FAULTS = {
     agent_pb2.FAULT_NAN_LOSS: "nan-loss",
     agent_pb2.FAULT_LOSS_SPIKE: "loss-spike",
     agent_pb2.FAULT_SLOW_WORKER: "slow-worker",
+    agent_pb2.FAULT_GPU_HANG: "gpu-hang",
 }
 
 

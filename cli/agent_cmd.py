@@ -122,7 +122,10 @@ def run(args: argparse.Namespace) -> int:
     if stop.is_set():  # a signal came while starting
         agent.shutdown()
     systemd.notify("READY=1", f"STATUS=agent {config.node_id} serving on {agent.address}")
-    systemd.start_watchdog(lambda: not stop.is_set(), stop)
+    # Pings only while the agent's loops go round: a loop stuck in a call gets the agent restarted
+    # (its workers train on and the successor adopts them).
+    stale_after = 2 * (systemd.watchdog_interval() or 0.0)
+    systemd.start_watchdog(lambda: not stop.is_set() and agent.alive(stale_after), stop)
     agent.run()
     systemd.notify("STOPPING=1")
     return EXIT_OK

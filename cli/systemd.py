@@ -19,6 +19,11 @@ def notify(*fields: str) -> bool:
     return _notifier.notify(*fields)
 
 
+def watchdog_interval() -> float | None:
+    """How often to ping (half of ``WatchdogSec=``), or None without a watchdog."""
+    return _notifier.watchdog_interval
+
+
 def start_watchdog(healthy: Callable[[], bool], stop: threading.Event) -> threading.Thread | None:
     """Ping the watchdog while ``healthy()`` holds; a stuck or unhealthy service stops pinging."""
     interval = _notifier.watchdog_interval

@@ -41,6 +41,7 @@ from stalwart.coord.election import Election, Leadership
 from stalwart.coord.errors import CoordError, EtcdTimeout, LeaseLost, NotLeader
 from stalwart.coord.keys import JobKeys, Kind
 from stalwart.coord.lease import Lease
+from stalwart.coord.reach import tcp_probe
 from stalwart.coord.txn import Delete, Get, Op, Put, absent, mod_revision_is
 from stalwart.coord.watch import EventType, Watch, WatchEvent
 from stalwart.daemon import codec
@@ -611,25 +612,13 @@ class Daemon:
             return fn()
 
 
-def _connect(address: str, timeout: float) -> str:
-    """Try a TCP connection to ``host:port``: "accepted", "refused" or "none" (no answer, or garbage)."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return "accepted"
-    except ConnectionRefusedError:
-        return "refused"
-    except (OSError, ValueError):
-        return "none"
-
-
 def agent_answers(address: str, timeout: float = 0.3) -> bool:
     """Whether an agent's ``host:port`` accepts a TCP connection (refused or no answer: gone)."""
-    return _connect(address, timeout) == "accepted"
+    return tcp_probe(address, timeout) == "accepted"
 
 
 def host_answers(address: str, timeout: float = 0.3) -> bool:
     """Whether the host of an agent's ``host:port`` still answers: a connection accepted or
     refused (the agent is gone, the host is up) says yes; a timeout or an unreachable network
     says no (the host or its link is down)."""
-    return _connect(address, timeout) != "none"
+    return tcp_probe(address, timeout) != "none"

@@ -31,6 +31,7 @@ class FaultKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAULT_NAN_LOSS: _ClassVar[FaultKind]
     FAULT_LOSS_SPIKE: _ClassVar[FaultKind]
     FAULT_SLOW_WORKER: _ClassVar[FaultKind]
+    FAULT_GPU_HANG: _ClassVar[FaultKind]
 WORKER_UNKNOWN: WorkerState
 WORKER_STARTING: WorkerState
 WORKER_RUNNING: WorkerState
@@ -49,6 +50,7 @@ FAULT_DROP_PEERS: FaultKind
 FAULT_NAN_LOSS: FaultKind
 FAULT_LOSS_SPIKE: FaultKind
 FAULT_SLOW_WORKER: FaultKind
+FAULT_GPU_HANG: FaultKind
 
 class StatusRequest(_message.Message):
     __slots__ = ()

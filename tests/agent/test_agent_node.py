@@ -198,6 +198,73 @@ def test_peer_probes_name_the_unreachable_member(etcd_server: LocalEtcd, etcd_cl
                                         .unreachable_peers) == ["ghost"], 10, f"{node} reporting only the ghost")
 
 
+def test_a_worker_blocked_with_its_process_running_has_the_agent_report_a_ring_neighbour_that_does_not_answer(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent) -> None:
+    """The workers block in step 5 as in a collective with a peer behind a cut link. The agent
+    checks the members after it in the round: the one whose host does not answer at all (an
+    address in the discard-only IPv6 prefix) is reported lost; the one that refuses the
+    connection (a host whose agent is restarting) is not; the member beyond the ring's reach is
+    not checked."""
+    from stalwart.coord.local import free_port
+
+    job = f"ring-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job, peer_probe_neighbours=2,
+                                command=("env", "BLOCK_AT_STEP=5", sys.executable, WORKER)))
+    _open_round(etcd_client, keys, 1, [("n0", agent.address), ("cut", "[100::1]:9"),
+                                       ("restarting", f"127.0.0.1:{free_port()}"), ("far", "[100::2]:9")])
+    wait_for(lambda: list((_health(etcd_client, keys) or records_pb2.HealthRecord()).lost_peers) == ["cut"], 30,
+             "n0 reporting the member behind the cut link")
+    record = _health(etcd_client, keys)
+    assert record is not None and record.lost_peers_round == 1
+    assert any(f.code == "stall-waiting" for f in record.findings)
+
+
+def test_a_health_record_built_before_a_newer_one_never_lands_after_it(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent) -> None:
+    """Several threads write the health record. One builds its record, then its etcd write is
+    slow; meanwhile a worker failure is found and written by another thread. Had the slow write
+    landed last, the daemon would read a record without the failure."""
+    import threading
+
+    from stalwart.agent.health import Finding, Severity
+
+    job = f"health-race-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job, command=("sleep", "3600"), workers=1))
+    real_put, gate, held = agent.client.put, threading.Event(), threading.Event()
+
+    def put(key: str, value: bytes, lease: int = 0) -> object:
+        if key == keys.health("n0") and threading.current_thread().name == "slow-writer":
+            held.set()
+            gate.wait(30)
+        return real_put(key, value, lease=lease)
+
+    agent.client.put = put  # type: ignore[method-assign]
+    slow = threading.Thread(target=agent._publish_health, kwargs={"force": True}, name="slow-writer")
+    slow.start()
+    assert held.wait(10)
+
+    def failure() -> None:
+        with agent._lock:
+            agent._state.worker_findings.append(Finding("worker", 0, Severity.OK, "exit", "rank 0: exited 1", 1))
+        agent._publish_health(force=True)
+
+    newer = threading.Thread(target=failure)
+    newer.start()
+    # Let the newer write land first if it can (without one writer at a time, it does): a bounded
+    # wait that only decides how the old code fails; the right code passes either way.
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and not any(
+            f.code == "exit" for f in (_health(etcd_client, keys) or records_pb2.HealthRecord()).findings):
+        time.sleep(0.02)
+    gate.set()
+    slow.join(30)
+    newer.join(30)
+    record = _health(etcd_client, keys)
+    assert record is not None and any(f.code == "exit" for f in record.findings), "a stale health record landed last"
+
+
 def test_drain_cordons_and_stops_workers(etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path,
                                          start_agent) -> None:
     job = f"drain-{time.monotonic_ns()}"

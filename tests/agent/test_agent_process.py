@@ -174,6 +174,77 @@ def test_ready_and_watchdog_then_a_crashed_or_restarted_agents_workers_train_on_
         err.close()
 
 
+def test_a_loop_stuck_in_a_hung_gpu_call_stops_the_watchdog_and_the_restarted_agent_adopts_the_workers(
+        tmp_path: Path, etcd_server: LocalEtcd, etcd_client: EtcdClient) -> None:
+    """The GPU probe's polls hang (a hung driver call) in the monitor loop. The rest of the agent
+    goes on (it answers GetStatus: the probe is never read under the agent's lock), but the
+    watchdog pings stop, so the supervisor (systemd; this test stands in for it: no ping within
+    WatchdogSec means kill and start again) restarts the agent, and the successor adopts the
+    workers, which trained on."""
+    job = f"watchdog-{os.getpid()}-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    cfg = _write_config(tmp_path / "agent.toml", etcd_server, job, tmp_path / "state", extra="lease_ttl = 60")
+    cfg.write_text("fault_injection = true\n" + cfg.read_text())
+    notify_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(notify_path)
+    watchdog_sec = 1.0
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC=str(int(watchdog_sec * 1e6)))
+    err = open(tmp_path / "agent.err", "ab")
+    start = lambda: subprocess.Popen([STALWART, "agent", "--config", str(cfg)], env=env,  # noqa: E731
+                                     stdout=subprocess.DEVNULL, stderr=err)
+    agent = start()
+    workers: list[psutil.Process] = []
+    try:
+        sock.settimeout(30)
+        _await_ready(sock)
+        node = _node(etcd_client, keys)
+        assert node is not None
+        record = records_pb2.RoundRecord(number=1, world_size=2, master_addr="127.0.0.1", master_port=1)
+        record.members.add(node_id="proc0", node_rank=0, first_rank=0, local_world_size=2, address=node.address)
+        etcd_client.put(keys.round, record.SerializeToString())
+        wait_for(lambda: len(psutil.Process(agent.pid).children()) >= 2, 30, "two workers started", tmp_path)
+        workers = psutil.Process(agent.pid).children()
+        pids = {w.pid for w in workers}
+        wait_for(lambda: _adopted(etcd_client, keys, pids, 2), 30, "both workers stepping")
+        assert sock.recv(4096).decode() == "WATCHDOG=1"  # pinging while healthy
+
+        with grpc.insecure_channel(node.address) as channel:
+            reply = agent_pb2_grpc.AgentStub(channel).InjectFault(
+                agent_pb2.FaultRequest(kind=agent_pb2.FAULT_GPU_HANG), timeout=5)
+        assert reply.applied, reply.detail
+        assert _status(node.address).workers  # the agent's other work goes on
+
+        # The stand-in supervisor: pings already queued drain; then none comes within WatchdogSec.
+        deadline = time.monotonic() + 30
+        sock.settimeout(watchdog_sec)
+        while True:
+            assert time.monotonic() < deadline, "the watchdog kept pinging with a loop stuck in the probe"
+            try:
+                sock.recv(4096)
+            except TimeoutError:
+                break
+        step = max(w.last_step for w in _status(node.address).workers)
+        agent.send_signal(signal.SIGKILL)  # what systemd does once WatchdogSec passes without a ping
+        agent.wait()
+        assert all(w.is_running() for w in workers), "workers died with their agent"
+        agent = start()
+        sock.settimeout(30)
+        _await_ready(sock)
+        wait_for(lambda: _adopted(etcd_client, keys, pids, step), 30, "the successor serving the workers",
+                 tmp_path)
+        assert sock.recv(4096).decode() == "WATCHDOG=1"  # a healthy successor pings
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+        for w in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.kill()
+        sock.close()
+        err.close()
+
+
 def test_a_warm_spare_outlives_a_crashed_agent_and_the_successor_adopts_it(
         tmp_path: Path, etcd_server: LocalEtcd, etcd_client: EtcdClient) -> None:
     """A spare lost with its agent would make the node's next round wait for a cold start (the

@@ -113,3 +113,16 @@ def test_lost_time_before_a_step_by_cause() -> None:
     assert lost_before_step(3.0, 0.5, "") == ("pause", 2.5)
     assert lost_before_step(0.9, 0.5, "") is None  # within two normal steps: not a pause
     assert lost_before_step(0.4, 0.5, "re-form") is None
+
+
+def test_ring_neighbours_are_the_next_k_members_wrapping_around() -> None:
+    from stalwart.agent.core import ring_neighbours
+
+    members = ["a", "b", "c", "d", "e"]
+    assert ring_neighbours(members, "d", 3) == ["e", "a", "b"]
+    assert ring_neighbours(members, "a", 0) == []
+    assert ring_neighbours(["a", "b", "c"], "b", 3) == ["c", "a"]  # fewer in a small world, never itself
+    assert ring_neighbours(members, "x", 3) == []  # not a member
+    # every member is checked by exactly k others
+    checked = [n for m in members for n in ring_neighbours(members, m, 2)]
+    assert sorted(checked) == sorted(members * 2)
