@@ -12,13 +12,18 @@ protobuf messages without paying for torch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from stalwart.proto.contract import ENV_ROUND, ENV_SPARE
 from stalwart.trainer.world_sockets import world_sockets
+
+log = logging.getLogger(__name__)
 
 # ENV_SPARE ``1``: the worker is a warm spare; it has no rank until the agent assigns one.
 
@@ -207,27 +212,72 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     world_sockets.joining()
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     c10d.default_pg_timeout = timeout  # groups made later without a timeout (see the docstring)
-    store = _hosted_stores.get(spec.master_port) if spec.rank == 0 else None
-    if store is None:
-        if spec.rank != 0:
-            _wait_listening(spec.master_addr, spec.master_port, join_timeout_s, superseded, spec.round)
-            store = dist.TCPStore(spec.master_addr, spec.master_port, None, False,
-                                  timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
-        else:
-            store = _host_store(spec, join_timeout_s, superseded)
-            _hosted_stores[spec.master_port] = store
+    if spec.rank == 0 and spec.master_port not in _hosted_stores:
+        _hosted_stores[spec.master_port] = _host_store(spec, join_timeout_s, superseded)
+    else:
+        _wait_listening(spec.master_addr, spec.master_port, join_timeout_s, superseded, spec.round)
+    # A client of its own for every join, rank 0's too: a join that has to be broken cuts its
+    # client's connection (see _JoinBreaker) while the server lives on for the rounds after.
+    store = dist.TCPStore(spec.master_addr, spec.master_port, None, False,
+                          timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
     prefixed = dist.PrefixStore(f"round-{spec.round}/", store)
     _arrive(prefixed, spec, join_timeout_s, superseded, on_wait)
-    dist.init_process_group(backend, store=prefixed, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
-    # DeepSpeed wraps the initialized torch world in a fresh backend object (``cdb``).
-    ds_torch = importlib.import_module("deepspeed.comm.torch")  # ``deepspeed.comm.torch`` is torch itself
-    build = ds_torch.build_shm_op
-    if _shm_op:
-        ds_torch.build_shm_op = lambda: _shm_op[0]  # see _shm_op
+    breaker = _JoinBreaker(superseded, hosted_ports=set(_hosted_stores))
     try:
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)
+        dist.init_process_group(backend, store=prefixed, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+        # DeepSpeed wraps the initialized torch world in a fresh backend object (``cdb``).
+        ds_torch = importlib.import_module("deepspeed.comm.torch")  # ``deepspeed.comm.torch`` is torch itself
+        build = ds_torch.build_shm_op
+        if _shm_op:
+            ds_torch.build_shm_op = lambda: _shm_op[0]  # see _shm_op
+        try:
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)
+        finally:
+            ds_torch.build_shm_op = build
+    except Exception:
+        if not breaker.fired:
+            raise
     finally:
-        ds_torch.build_shm_op = build
+        breaker.stop()
+    if breaker.fired:
+        if dist.is_initialized():  # it formed after all, as the cut came: leave it
+            leave_world()
+        raise JoinSuperseded(spec.round)
+
+
+class _JoinBreaker:
+    """Watches a join inside ``init_process_group``, which cannot be interrupted: once the round
+    has been superseded for ``grace`` seconds and the join still has not finished (a peer of the
+    full roster died, hung or sits behind a cut link before it connected), its connections are
+    cut (:meth:`~stalwart.trainer.world_sockets.WorldSockets.cut_join`), so it fails now instead
+    of at the collective timeout and the rank joins the newer round. A join that is merely slow
+    finishes within the grace; one that does not has no future: its round will never train."""
+
+    def __init__(self, superseded: Callable[[], bool], hosted_ports: set[int], grace: float = 1.0) -> None:
+        self.fired = False
+        self._superseded, self._hosted, self._grace = superseded, hosted_ports, grace
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="stalwart-join-breaker")
+        self._thread.start()
+
+    def _watch(self) -> None:
+        since: float | None = None
+        while not self._done.wait(0.05):
+            if not self._superseded():
+                since = None
+                continue
+            now = time.monotonic()
+            since = now if since is None else since
+            if now - since >= self._grace:
+                self.fired = True
+                log.warning("the round being joined was superseded %.1f s ago and its join has not finished: "
+                            "breaking it", now - since)
+                world_sockets.cut_join(self._hosted)
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _arrive(store: Any, spec: ReformSpec, timeout_s: float, superseded: Callable[[], bool],

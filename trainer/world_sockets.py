@@ -77,6 +77,24 @@ class WorldSockets:
             log.info("cut %d connection(s) of the old world", cut)
         return cut
 
+    def cut_join(self, hosted_ports: Iterable[int]) -> int:
+        """Break a join that cannot finish: shut down the connections opened since
+        :meth:`joining`, this rank's store client among them, but not the server side of a
+        store this process hosts (``hosted_ports``: other ranks, of later rounds too, use it) nor
+        listeners. The blocked rendezvous then fails at once, here and on the peers connected to
+        this rank. Returns how many were cut."""
+        hosted = set(hosted_ports)
+        with self._lock:
+            before = self._before
+            if before is None:
+                return 0
+            doomed = {ino for ino, (local, remote) in _tcp_sockets()
+                      if ino not in before and remote and local not in hosted}
+            cut = sum(1 for fd, ino in _socket_fds() if ino in doomed and _shut_down(fd, ino))
+        if cut:
+            log.info("cut %d connection(s) of a join that a newer round superseded", cut)
+        return cut
+
 
 def _shut_down(fd: int, ino: int) -> bool:
     """Shut socket ``fd`` down both ways if it is still socket ``ino``; whether it was."""

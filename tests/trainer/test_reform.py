@@ -295,6 +295,63 @@ def test_a_rank_that_leaves_a_broken_world_cuts_its_connections_so_its_peers_are
         assert res["step"] == STEPS
 
 
+def _arrive_as(port: int, round: int, rank: int, world: int, after: int, timeout: float = 90) -> None:
+    """Play a rank that arrives in ``round``'s roster once ``after`` others have, then never
+    joins gloo's rendezvous (it dies, hangs or loses its link in between)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10),
+                                  wait_for_workers=False)
+            break
+        except RuntimeError:
+            assert time.monotonic() < deadline, f"nobody hosts round {round}'s store on port {port}"
+            time.sleep(0.05)
+    roster = dist.PrefixStore(f"round-{round}/", store)  # as join_world names the round's keys
+    while roster.add("count", 0) < after:
+        assert time.monotonic() < deadline, f"round {round}: {roster.add('count', 0)} of {after} arrived"
+        time.sleep(0.05)
+    roster.compare_set(f"arrived/{rank}", "", b"test")
+    if roster.add("count", 1) >= world:
+        roster.set("full", b"1")
+
+
+@pytest.mark.parametrize("same_port", [True, False], ids=["same-port", "new-port"])
+def test_a_join_stuck_in_gloo_rendezvous_is_broken_when_a_newer_round_supersedes_it(
+        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness], same_port: bool) -> None:
+    """Round 1's roster fills (w0, w1 and a third rank played by the test), so w0 and w1 enter
+    ``init_process_group``, which cannot be interrupted; the third never gets there. Round 2
+    (w0 and w1 alone) supersedes it: the join is broken at once, not at the 60 s collective
+    timeout, and rank 0's store lives on for round 2 when that is on the same port."""
+    timeout = 60.0
+    job = Harness(tmp_path, ds_env)
+    jobs.append(job)
+    port, port1 = free_port(), free_port()
+    port2 = port1 if same_port else free_port()
+    extra = ("--collective-timeout", str(timeout), "--dist-timeout", str(timeout), "--reform-at-step", "4")
+    for r in range(2):
+        spec = {"rank": r, "world_size": 3, "master_addr": "127.0.0.1", "master_port": port1, "round": 1}
+        job.start(f"w{r}", rank=r, world=2, port=port, extra=(*extra, "--reform-spec", json.dumps(spec)))
+    _arrive_as(port1, round=1, rank=2, world=3, after=2)
+    time.sleep(0.5)  # both are inside gloo's rendezvous now (they left the roster wait when it filled)
+    superseded_at = time.time()
+    for r in range(2):
+        job.reform(f"w{r}", rank=r, world=2, port=port2, round=2)
+    results = job.wait(["w0", "w1"])
+    print_timings("join superseded", superseded_at, results)
+    for name, res in results.items():
+        assert "error" not in res, (name, res["error"], job.logs())
+        assert res["step"] == STEPS
+        last = res["reforms"][-1]
+        assert (last["round"], last["world_size"]) == (2, 2), (name, res["reforms"])
+        assert last["first_step_at"] - superseded_at < timeout / 4, (name, last)  # not the collective timeout
+        assert "its join has not finished: breaking it" in (job.root / f"{name}.log").read_text(), name
+
+
 def test_a_rank_that_cannot_reform_raises_reform_failed(ds_env: dict[str, str], tmp_path: Path,
                                                         jobs: list[Harness]) -> None:
     job = Harness(tmp_path, ds_env)
