@@ -139,7 +139,8 @@ def test_control_plane_faults_cost_no_step(tmp_path: Path) -> None:
     killed and the restarted agents' successors adopt the same workers."""
     scenario = load(SCENARIOS / "controlplane.toml")
     faults = tuple(replace(f, duration=8.0) if f.kind == "lose-quorum" else f for f in scenario.faults)
-    scenario = replace(scenario, faults=faults, job=replace(scenario.job, steps=240))
+    # The job outlasts the quorum loss (160 steps of at least 0.05 s from step 170) by a margin.
+    scenario = replace(scenario, faults=faults, job=replace(scenario.job, steps=390))
     report = Runner(scenario, tmp_path / "work", progress=lambda line: None, timeout=480, reference=False).run()
     paths = write(report, tmp_path / "report")
     failed = [name for name, ok in report.checks.items() if not ok]
