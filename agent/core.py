@@ -104,6 +104,19 @@ def overdue_reform(proc: ProcState, connected: bool, waited: float, joining: boo
     return Overdue(False, f"joining for {waited:.1f} s: waiting for its peers")
 
 
+def refill_in_place(*, joining: bool, new_rank: int, warm_spare: bool, spares: int) -> bool:
+    """Whether a worker that died after its Reform was sent is replaced within the same round
+    (a spare takes its rank there) rather than the round failed (the daemon opens another).
+
+    Only one that never began its re-form (``joining`` false): it never joined, so its place is
+    not lost, and only with a warm spare to fill it (or none configured, where a new process is
+    what would come anyway). One that died while joining may have broken its peers' group. So may
+    the new round's rank 0 (``new_rank`` 0) in any case: its process can already host the round's
+    store, on a port kept from an earlier round, so its peers' joins broke with it; they then wait
+    for a newer round, and a rank 0 refilled in the same round would wait for them in vain."""
+    return not joining and new_rank != 0 and (warm_spare or spares == 0)
+
+
 @dataclass(frozen=True)
 class JoinFacts:
     """What decides whether this node may be taken into a round now."""

@@ -64,6 +64,7 @@ from stalwart.agent.core import (
     keep_verdict,
     lost_before_step,
     overdue_reform,
+    refill_in_place,
     ring_neighbours,
     spares_may_start,
 )
@@ -270,6 +271,8 @@ class NodeAgent:
         )
         self._lease = lease
         self._poll_probe()
+        if self._state.round is not None:  # registering again
+            self._catch_up_round()
         # One transaction: the daemon sees the node and whether it is ready to join (its health
         # record's ``replacing``) in the same watch event, never the node alone.
         health = self._health_record()
@@ -277,6 +280,24 @@ class NodeAgent:
         health.checked_at = time.time()
         self.client.txn([], [Put(self.keys.node(self.config.node_id), record.SerializeToString(), lease.id),
                              Put(self.keys.health(self.config.node_id), health.SerializeToString(), lease.id)])
+
+    def _catch_up_round(self) -> None:
+        """Registering again (the lease was lost: a cut link, etcd out of reach): the world has
+        most likely moved on without this node. Read the round now, so the health record that goes
+        out with the registration says whether the node can join warm; one computed from the round
+        it was last in says "ready", and the daemon would admit a node that must start cold."""
+        kv = self.client.get(self.keys.round)
+        if kv is None:
+            return
+        try:
+            record = records_pb2.RoundRecord.FromString(kv.value)
+        except Exception:
+            return  # _apply_round says so when the watch brings it
+        with self._lock:
+            seen = self._state.seen_round
+            if seen is None or record.number > seen.number or (record.number == seen.number and record.closed):
+                self._state.seen_round = record
+        self._update_readiness()
 
     def alive(self, stale_after: float) -> bool:
         """Whether the main loop and the monitor loop have each gone round within ``stale_after``
@@ -861,12 +882,16 @@ class NodeAgent:
             rnd = self._state.seen_round
             now = time.monotonic()
             warming = self._state.warming_since
+            applied = self._state.round
+            # Workers count as warm only while the round has not moved on past theirs: a node left
+            # out of a newer round stops them when it applies that round.
+            moved_on = rnd is not None and (applied is None or rnd.number > applied.number)
             facts = JoinFacts(
                 in_round=rnd is not None and not rnd.closed
                 and any(m.node_id == self.config.node_id for m in rnd.members),
                 started=rnd is not None, workers=self.config.workers,
                 ready_spares=sum(1 for sp in self.spare_pool.status() if sp.warm) + sum(
-                    1 for w in (self._state.group.workers if self._state.group is not None else [])
+                    1 for w in (self._state.group.workers if self._state.group is not None and not moved_on else [])
                     if w.running and not w.stopping and w.pid in self._state.can_reform),
                 # spares = 0: the command is not known to run as a spare, so there is nothing to warm
                 spares_disabled=bool(self.spare_pool.disabled) or self.config.spares == 0,
@@ -953,13 +978,11 @@ class NodeAgent:
             if exit_.kind in (ExitKind.SUCCESS, ExitKind.STOPPED):
                 return
             warm_spare = any(s.warm for s in self.spare_pool.status())
-            if pending is not None and exit_.kind is not ExitKind.GAVE_UP and not pending.joining \
-                    and (warm_spare or not self.config.spares):
+            if pending is not None and exit_.kind is not ExitKind.GAVE_UP and refill_in_place(
+                    joining=pending.joining, new_rank=pending.rank, warm_spare=warm_spare, spares=self.config.spares):
                 # Died before it began its re-form (it may have been dying already when the round
-                # came, or its old world's abort took it down): it never joined the new round, so
-                # its place there is not lost: fill it here, with a warm spare, instead of failing
-                # the round. (One that died while joining may have broken its peers' group: that
-                # fails the round below, and the daemon opens another.)
+                # came, or its old world's abort took it down): fill its place here, with a warm
+                # spare, instead of failing the round (``core.refill_in_place`` says when).
                 log.error("agent %s: rank %d (pid %d) died while re-forming into round %d (%s); replacing it",
                           self.config.node_id, exit_.rank, exit_.pid, pending.round, exit_.reason,
                           extra={"node": self.config.node_id, "rank": exit_.rank, "round": pending.round})

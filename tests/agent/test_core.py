@@ -13,6 +13,7 @@ from stalwart.agent.core import (
     join_readiness,
     keep_verdict,
     overdue_reform,
+    refill_in_place,
 )
 
 HEALTHY = WorkerFacts(running=True, stopping=False, local_rank=0, connected=True, reforming=False, stalled=False,
@@ -126,3 +127,12 @@ def test_ring_neighbours_are_the_next_k_members_wrapping_around() -> None:
     # every member is checked by exactly k others
     checked = [n for m in members for n in ring_neighbours(members, m, 2)]
     assert sorted(checked) == sorted(members * 2)
+
+
+def test_a_worker_that_died_before_beginning_its_reform_is_refilled_in_the_same_round_unless_it_was_rank_0() -> None:
+    assert refill_in_place(joining=False, new_rank=1, warm_spare=True, spares=1)
+    assert refill_in_place(joining=False, new_rank=3, warm_spare=False, spares=0)  # a new process comes anyway
+    assert not refill_in_place(joining=False, new_rank=1, warm_spare=False, spares=1)  # would start cold
+    assert not refill_in_place(joining=True, new_rank=1, warm_spare=True, spares=1)  # may have broken its peers
+    # rank 0 may already host the round's store: its peers' joins broke with it, the round fails
+    assert not refill_in_place(joining=False, new_rank=0, warm_spare=True, spares=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from stalwart.agent.workers import ExitKind
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.local import LocalEtcd
+from stalwart.coord.watch import EventType, Watch
 from stalwart.proto import agent_pb2, records_pb2
 from testkit import process_gone, wait_for
 
@@ -325,3 +327,38 @@ def test_a_newer_round_before_the_spare_acknowledged_keeps_the_spare(
     assert [e[2:6] for e in got if e[0] == "reform" and e[1] == spare] == [(3, 4, 3, 1)]
     assert [e[2:6] for e in got if e[0] == "reform" and e[1] == survivor] == [(0, 2, 2, 0), (2, 4, 3, 0)]
 
+
+
+def test_a_node_that_registers_again_after_the_world_moved_on_asks_to_warm_before_it_is_admitted(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose lease was lost (a cut link) registers again while the round without it is
+    still on its way through the watch. The health record that goes out with the registration
+    must already say ``replacing``: the node's workers stop once it applies that round and it has
+    fewer warm spares than workers, so a daemon that admitted it now would wait for a cold start."""
+    job = _job("reregister")
+    keys = JobKeys(job)
+    monkeypatch.setenv("EVENTS", str(tmp_path / "events"))
+    agent = start_agent(_config(etcd_server, tmp_path, job, spares=1))
+    _open_round(etcd_client, keys, 1, ["n0"], 29561)
+    wait_for(lambda: len(_workers(agent, 1, min_step=1)) == 2, 30, "both ranks stepping in round 1")
+    held, release = threading.Event(), threading.Event()
+    agent._commands.put(("call", lambda: (held.set(), release.wait(30))))  # hold the main loop
+    assert held.wait(10), "the agent's main loop did not take the command"
+    agent._commands.put(("lease-lost", "a cut link, played by the test"))
+    _open_round(etcd_client, keys, 2, ["n1"], 29562)  # the world went on without n0
+    _, revision = etcd_client.get_prefix(keys.health("n0"))
+    old_lease = agent._lease.id if agent._lease is not None else 0
+    watch = Watch(etcd_client, keys.health("n0"), revision + 1)
+    try:
+        release.set()  # the registration runs first, then the round comes through the watch
+        first: records_pb2.HealthRecord | None = None
+        deadline = time.monotonic() + 30
+        while first is None and time.monotonic() < deadline:
+            puts = [ev for ev in watch.get(timeout=1.0) if ev.type is EventType.PUT and ev.lease != old_lease]
+            first = records_pb2.HealthRecord.FromString(puts[0].value) if puts else None
+    finally:
+        watch.close()
+    assert first is not None, "no health record under the new lease: the node did not register again"
+    assert first.replacing, first
+    wait_for(lambda: not _workers(agent, 1), 15, "n0's workers stopped once it applied round 2")
