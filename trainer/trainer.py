@@ -65,6 +65,7 @@ from stalwart.ckpt import (
     Checkpointer,
     CheckpointError,
     CheckpointNotFound,
+    CommitFailed,
     CommitInfo,
     CommittedSnapshot,
     LayoutMismatch,
@@ -723,11 +724,16 @@ class Trainer:
                     assert restored is not None
                     self._resume(restored)
                     break
-                except (ReformFailed, TrainerError, CheckpointError):
+                except (ReformFailed, TrainerError):
                     raise
                 except Exception as exc:
-                    timed_out = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
-                    if not (self.expects_reform and is_collective_error(exc)) or timed_out:
+                    # The restore's coordination (ckpt wraps it as CommitFailed) breaks like the
+                    # join's collectives when a peer of the forming world is lost.
+                    seen = exc.__cause__ if isinstance(exc, CheckpointError) else exc
+                    if seen is None or (isinstance(exc, CheckpointError) and not isinstance(exc, CommitFailed)):
+                        raise
+                    timed_out = "timed out" in str(seen).lower() or "timeout" in str(seen).lower()
+                    if not (self.expects_reform and is_collective_error(seen)) or timed_out:
                         raise  # a peer that never came (a timeout) fails this rank, as before
                     # A peer of the new round died while it formed (its store host, or a rank in
                     # the collectives after the roster): the round is lost, not this process.
