@@ -212,6 +212,10 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     world_sockets.joining()
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     c10d.default_pg_timeout = timeout  # groups made later without a timeout (see the docstring)
+    # init_process_group names the default group after a counter that it bumps first: one that
+    # failed (a broken or superseded join) left it at 1, and this rank's rendezvous keys would then
+    # never meet those of a peer on its first join (gloo waits out its timeout).
+    c10d._world.group_count = 0
     if spec.rank == 0 and spec.master_port not in _hosted_stores:
         _hosted_stores[spec.master_port] = _host_store(spec, join_timeout_s, superseded)
     else:

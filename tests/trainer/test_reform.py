@@ -352,6 +352,26 @@ def test_a_join_stuck_in_gloo_rendezvous_is_broken_when_a_newer_round_supersedes
         assert "its join has not finished: breaking it" in (job.root / f"{name}.log").read_text(), name
 
 
+def test_a_process_whose_join_failed_forms_the_next_world_with_a_fresh_peer(ds_env: dict[str, str]) -> None:
+    """``init_process_group`` counts its group before it can fail: after a broken join the process
+    would name its next world's default group "1" and a fresh peer "0", and their rendezvous keys
+    would never meet (both wait out the collective timeout)."""
+    child = str(Path(__file__).with_name("failed_init_child.py"))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, child, "--rank", str(r), "--port", str(port)]
+                              + (["--fail-first"] if r == 0 else []),
+                              env=ds_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert "first init failed" in outs[0], outs[0][-2000:]
+    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and "joined 2" in out, (r, out[-3000:])
+
+
 def test_a_rank_that_cannot_reform_raises_reform_failed(ds_env: dict[str, str], tmp_path: Path,
                                                         jobs: list[Harness]) -> None:
     job = Harness(tmp_path, ds_env)
