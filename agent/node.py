@@ -577,6 +577,12 @@ class NodeAgent:
             if current is not None and (record.number < current.number or (
                     record.number == current.number and (current.closed or not record.closed))):
                 return  # old news; the one change a round number can see is being closed
+            seen = self._state.seen_round
+            if seen is not None and record.number < seen.number:
+                # A round already superseded (registering again read a newer one, which the watch
+                # brings next): applying it would re-form workers for a world that will not form
+                # and, worse, say this node is ready because it was a member of that one.
+                return
         mine = [m for m in record.members if m.node_id == self.config.node_id]
         with self._lock:
             self._state.seen_round = record
