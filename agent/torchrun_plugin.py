@@ -15,7 +15,7 @@ import difflib
 from collections.abc import MutableMapping
 from typing import Any
 
-# The options the stalwart backend reads (README, "torchrun"); cacert/cert/key are aliases.
+# The options the stalwart backend reads (docs/torchrun.md); cacert/cert/key are aliases.
 OPTIONS = frozenset({
     "join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt", "close_timeout",
     "heartbeat_timeout", "etcd_timeout", "etcd_attempt_timeout", "ca_file", "cert_file", "key_file", "cacert",

@@ -1,6 +1,6 @@
 """Every etcd key stalwart uses, for one job. No key string is built anywhere else.
 
-Layout (see DESIGN.md)::
+Layout (docs/design.md, "etcd layout")::
 
     /stalwart/<job>/nodes/<node>        node record, bound to the agent's lease
     /stalwart/<job>/health/<node>       latest health verdict from the agent

@@ -3,7 +3,7 @@
 What a node agent and the training processes it starts agree on: the environment the agent
 sets for its workers (besides torchrun's ``RANK``, ``WORLD_SIZE``, …), the exit status a worker
 uses to give the job up, and the layout of the local progress socket. Each side imports them
-from here; neither imports the other (README, "Architecture").
+from here; neither imports the other (docs/design.md, "Components and the direction of imports").
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The linters are part of the suite: ruff (style and bugs), lint-imports (the layering of the
-README's "Architecture") and mypy (the pure modules, strictly). Each runs as its own process from
-this interpreter's venv; a failure shows the tool's output. Configuration: ``pyproject.toml``."""
+"""The linters are part of the suite: ruff (style and bugs), lint-imports (the layering of
+docs/design.md, "Components and the direction of imports") and mypy (the pure modules,
+strictly). Each runs as its own process from this interpreter's venv; a failure shows the tool's
+output. Configuration: ``pyproject.toml``."""
 
 from __future__ import annotations
 
