@@ -254,10 +254,12 @@ class _JoinBreaker:
     has been superseded for ``grace`` seconds and the join still has not finished (a peer of the
     full roster died, hung or sits behind a cut link before it connected), its connections are
     cut (:meth:`~stalwart.trainer.world_sockets.WorldSockets.cut_join`), so it fails now instead
-    of at the collective timeout and the rank joins the newer round. A join that is merely slow
-    finishes within the grace; one that does not has no future: its round will never train."""
+    of at the collective timeout and the rank joins the newer round. The grace is short: a
+    superseded round never trains (its ranks re-form at their first step boundary even when the
+    join finishes), so waiting on it only delays the newer one; it lets a join that is about to
+    finish do so rather than fail half-connected."""
 
-    def __init__(self, superseded: Callable[[], bool], hosted_ports: set[int], grace: float = 1.0) -> None:
+    def __init__(self, superseded: Callable[[], bool], hosted_ports: set[int], grace: float = 0.25) -> None:
         self.fired = False
         self._superseded, self._hosted, self._grace = superseded, hosted_ports, grace
         self._done = threading.Event()
