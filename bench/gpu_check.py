@@ -809,7 +809,7 @@ def child_abort(rank: int, port: int, backend: str, marker: str, out_path: str, 
 
     import torch.distributed as dist
 
-    from stalwart.trainer.trainer import _abort_all_groups
+    from stalwart.trainer.reforming import _abort_all_groups
 
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":

@@ -46,11 +46,11 @@ _EXPORTS = {
     "PeerConfig": "peer",
     "ReformFailed": "errors",
     "ReformSpec": "reform",
-    "ReformTimings": "trainer",
-    "RestoreInfo": "trainer",
+    "ReformTimings": "config",
+    "RestoreInfo": "config",
     "Trainer": "trainer",
-    "TrainerConfig": "trainer",
-    "backend_for_device": "trainer",
+    "TrainerConfig": "config",
+    "backend_for_device": "engine",
 }
 __all__ = sorted([*_EXPORTS, "EXIT_DIVERGED"])
 

@@ -1,0 +1,89 @@
+"""Asynchronous checkpoints: the saves themselves, the last one, and what became of each.
+
+:class:`SavesMixin` is the part of :class:`~stalwart.trainer.Trainer` that snapshots the current
+step into a save (ZeRO partitions, registered client state, trainer metadata and RNG), waits for
+the commit in flight when it must, and reports each save once it commits or fails: to the agent,
+to the step record and to the peer replicas. ``step_done`` decides when a save is due.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stalwart.ckpt import CommitInfo, SaveHandle
+from stalwart.trainer.restore import _rng_state
+
+log = logging.getLogger(__name__)
+
+
+class SavesMixin:
+    """Mixed into :class:`~stalwart.trainer.Trainer`: saves its current step through its checkpointer."""
+
+    def register_state(self, name: str, obj: Any = None, *, save: Callable[[], Any] | None = None,
+                       load: Callable[[Any], None] | None = None) -> None:
+        """Save and restore user state (an EMA, a data mixer) with the checkpoints: ``obj`` with
+        ``state_dict()``/``load_state_dict()``, or ``save``/``load`` callables. The same on every
+        rank; restored at once if the checkpoint restored has it. See ``client_state.py``."""
+        self.client_state.register(name, obj, save=save, load=load)
+
+    def save(self) -> SaveHandle:
+        """Checkpoint the current step asynchronously (returns after the snapshot). Collective."""
+        self.state.ensure_optimizer_state()
+        client_tensors, client_meta = self.client_state.snapshot()
+        meta = {"trainer": self._trainer_meta(), "rng": _rng_state(), "client": client_meta}
+        handle = self.checkpointer.save(self.step, {**self.state.save_tensors(), **client_tensors}, meta)
+        self._pending.append(handle)
+        if self.peers is not None:
+            self.peers.replicate(handle, self.rank)  # on a thread, once the snapshot is copied
+        self._last_saved = self.step
+        self._last_save_time = time.monotonic()
+        return handle
+
+    def finish(self) -> CommitInfo | None:
+        """Save the current step unless saved already, wait for its commit, release resources.
+
+        Raises what the last save raised (e.g. :class:`~stalwart.ckpt.CommitFailed`).
+        """
+        if self._closed:
+            return None
+        try:
+            if self._last_saved != self.step:
+                self.save()
+            return self.checkpointer.wait()
+        finally:
+            self._closed = True
+            self._report_saves()
+            self.checkpointer.close()
+            if self._old_handler is not None:
+                signal.signal(signal.SIGTERM, self._old_handler)
+            self.agent.close("finished" if not self._sigterm else "sigterm")
+
+    def _settle_saves(self) -> None:
+        """Wait for the save in flight; a failed one is logged (the loader never sees it)."""
+        try:
+            self.checkpointer.wait()
+        except Exception as exc:  # noqa: BLE001 - reported below through the handle
+            log.warning("rank %d step %d: checkpoint in flight failed: %s", self.rank, self.step, exc)
+        self._report_saves()
+
+    def _on_commit(self, info: CommitInfo) -> None:
+        self.recorder.write("commit", step=info.step)
+
+    def _report_saves(self) -> None:
+        for handle in [h for h in self._pending if h.done()]:
+            self._pending.remove(handle)
+            exc = handle.exception()
+            if exc is None:
+                info = handle.result()
+                self.agent.checkpoint(info.step, info.path, True, info.snapshot_s)
+                kept = self.checkpointer.committed_snapshot()
+                if self.peers is not None and kept is not None and kept.step == info.step:
+                    self.peers.keep_own(kept, self.rank)
+            else:
+                log.error("rank %d step %d: checkpoint not committed: %s", self.rank, handle.step, exc)
+                self.recorder.write("save_failed", step=handle.step, error=str(exc))
+                self.agent.checkpoint(handle.step, "", False)
