@@ -17,7 +17,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from stalwart.proto.contract import ENV_ROUND, ENV_SPARE
@@ -216,18 +216,21 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     # failed (a broken or superseded join) left it at 1, and this rank's rendezvous keys would then
     # never meet those of a peer on its first join (gloo waits out its timeout).
     c10d._world.group_count = 0
-    if spec.rank == 0 and spec.master_port not in _hosted_stores:
-        _hosted_stores[spec.master_port] = _host_store(spec, join_timeout_s, superseded)
-    else:
-        _wait_listening(spec.master_addr, spec.master_port, join_timeout_s, superseded, spec.round)
-    # A client of its own for every join, rank 0's too: a join that has to be broken cuts its
-    # client's connection (see _JoinBreaker) while the server lives on for the rounds after.
-    store = dist.TCPStore(spec.master_addr, spec.master_port, None, False,
-                          timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
-    prefixed = dist.PrefixStore(f"round-{spec.round}/", store)
-    _arrive(prefixed, spec, join_timeout_s, superseded, on_wait)
-    breaker = _JoinBreaker(superseded, hosted_ports=set(_hosted_stores))
+    # From here on a join superseded for a moment is broken (see _JoinBreaker), wherever it
+    # blocks: a store call to a host behind a cut link waits for TCP, gloo's rendezvous for its
+    # timeout, neither of them for a newer round.
+    breaker = _JoinBreaker(superseded, hosted=_hosted_stores)
     try:
+        if spec.rank == 0 and spec.master_port not in _hosted_stores:
+            _hosted_stores[spec.master_port] = _host_store(spec, join_timeout_s, superseded)
+        else:
+            _wait_listening(spec.master_addr, spec.master_port, join_timeout_s, superseded, spec.round)
+        # A client of its own for every join, rank 0's too: a join that has to be broken cuts its
+        # client's connection while the server lives on for the rounds after.
+        store = dist.TCPStore(spec.master_addr, spec.master_port, None, False,
+                              timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
+        prefixed = dist.PrefixStore(f"round-{spec.round}/", store)
+        _arrive(prefixed, spec, join_timeout_s, superseded, on_wait)
         dist.init_process_group(backend, store=prefixed, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
         # DeepSpeed wraps the initialized torch world in a fresh backend object (``cdb``).
         ds_torch = importlib.import_module("deepspeed.comm.torch")  # ``deepspeed.comm.torch`` is torch itself
@@ -238,6 +241,8 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
             deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)
         finally:
             ds_torch.build_shm_op = build
+    except JoinSuperseded:
+        raise
     except Exception:
         if not breaker.fired:
             raise
@@ -250,18 +255,20 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
 
 
 class _JoinBreaker:
-    """Watches a join inside ``init_process_group``, which cannot be interrupted: once the round
-    has been superseded for ``grace`` seconds and the join still has not finished (a peer of the
-    full roster died, hung or sits behind a cut link before it connected), its connections are
-    cut (:meth:`~stalwart.trainer.world_sockets.WorldSockets.cut_join`), so it fails now instead
-    of at the collective timeout and the rank joins the newer round. The grace is short: a
-    superseded round never trains (its ranks re-form at their first step boundary even when the
-    join finishes), so waiting on it only delays the newer one; it lets a join that is about to
-    finish do so rather than fail half-connected."""
+    """Watches a join that may block where it cannot be interrupted (a store call to a host
+    behind a cut link, gloo's rendezvous inside ``init_process_group``): once the round has been
+    superseded for ``grace`` seconds and the join still has not finished (a peer of the full
+    roster died, hung or sits behind a cut link), its connections are cut, again until it gives
+    up (:meth:`~stalwart.trainer.world_sockets.WorldSockets.cut_join`), so it fails now instead of
+    at a timeout and the rank joins the newer round. The grace is short: a superseded round never
+    trains (its ranks re-form at their first step boundary even when the join finishes), so
+    waiting on it only delays the newer one; it lets a join that is about to finish do so rather
+    than fail half-connected. ``hosted``: the stores this process hosts (live, as rank 0 may add
+    the round's), whose server side lives on."""
 
-    def __init__(self, superseded: Callable[[], bool], hosted_ports: set[int], grace: float = 0.25) -> None:
+    def __init__(self, superseded: Callable[[], bool], hosted: Mapping[int, object], grace: float = 0.25) -> None:
         self.fired = False
-        self._superseded, self._hosted, self._grace = superseded, hosted_ports, grace
+        self._superseded, self._hosted, self._grace = superseded, hosted, grace
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="stalwart-join-breaker")
         self._thread.start()
@@ -272,14 +279,21 @@ class _JoinBreaker:
             if not self._superseded():
                 since = None
                 continue
-            now = time.monotonic()
-            since = now if since is None else since
-            if now - since >= self._grace:
-                self.fired = True
-                log.warning("the round being joined was superseded %.1f s ago and its join has not finished: "
-                            "breaking it", now - since)
-                world_sockets.cut_join(self._hosted)
+            since = time.monotonic() if since is None else since
+            if time.monotonic() - since >= self._grace:
+                self._break(time.monotonic() - since)
                 return
+
+    def _break(self, superseded_for: float) -> None:
+        self.fired = True
+        log.warning("the round being joined was superseded %.1f s ago and its join has not finished: breaking it",
+                    superseded_for)
+        cut = 0
+        while True:  # gloo retries a connection to a peer that does not answer, a new socket each time
+            cut += world_sockets.cut_join(set(self._hosted))
+            if self._done.wait(0.05):
+                break
+        log.info("cut %d connection(s) of a join that a newer round superseded", cut)
 
     def stop(self) -> None:
         self._done.set()

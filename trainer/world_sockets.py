@@ -90,10 +90,7 @@ class WorldSockets:
                 return 0
             doomed = {ino for ino, (local, remote) in _tcp_sockets()
                       if ino not in before and remote and local not in hosted}
-            cut = sum(1 for fd, ino in _socket_fds() if ino in doomed and _shut_down(fd, ino))
-        if cut:
-            log.info("cut %d connection(s) of a join that a newer round superseded", cut)
-        return cut
+            return sum(1 for fd, ino in _socket_fds() if ino in doomed and _shut_down(fd, ino))
 
 
 def _shut_down(fd: int, ino: int) -> bool:
