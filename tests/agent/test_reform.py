@@ -355,7 +355,7 @@ def test_a_node_that_registers_again_after_the_world_moved_on_asks_to_warm_befor
     _open_round(etcd_client, keys, 3, ["n1"], 29563)  # the world went on without n0
     watch = Watch(etcd_client, keys.health("n0"), revision + 1)
     records: list[records_pb2.HealthRecord] = []
-    caplog.set_level(logging.INFO, logger="stalwart.agent.node")
+    caplog.set_level(logging.INFO, logger="stalwart.agent")
     caplog.clear()
     try:
         release.set()  # the registration runs first, then the rounds come through the watch

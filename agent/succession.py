@@ -1,0 +1,199 @@
+"""Succession between agents on a node (a crash, a restart): adopting what the agent before left,
+and saving what the next one needs.
+
+At start, :meth:`SuccessionMixin._adopt` takes over, from the state file (``adopt.py``), the live
+workers of the round they train in, the warm spares and the lease; the main loop rewrites the file
+after every change of the workers (:meth:`SuccessionMixin._save_state`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stalwart.agent.adopt import (
+    AdoptedProcess,
+    AgentState,
+    SpareEntry,
+    StateFileError,
+    WorkerEntry,
+    alive_and_same,
+    load_state,
+    process_start_time,
+    save_state,
+)
+from stalwart.agent.config import AgentConfig
+from stalwart.agent.metrics import AgentMetrics
+from stalwart.agent.spares import SparePool
+from stalwart.agent.stall import StallDetector
+from stalwart.agent.state import NodeState
+from stalwart.agent.workers import ExitKind, RoundAssignment, Worker, WorkerExit, WorkerGroup
+from stalwart.coord.lease import Lease
+from stalwart.proto import records_pb2
+
+log = logging.getLogger(__name__)
+
+
+class SuccessionMixin:
+    """Mixed into :class:`~stalwart.agent.node.NodeAgent`: adoption and its state file."""
+
+    # What it uses of NodeAgent (agent/node.py): attributes set in its __init__ ...
+    config: AgentConfig
+    stalls: StallDetector
+    metrics: AgentMetrics
+    spare_pool: SparePool
+    _state: NodeState
+    _lock: threading.RLock
+    _lease: Lease | None
+    _step_clock: dict[int, tuple[float, str]]
+    _state_file: Path
+    _saved_state: bytes
+    _start_times: dict[int, int]
+    _lost_while_away: list[WorkerExit]
+    _adopted_warm: set[int]
+
+    if TYPE_CHECKING:  # ... and the methods it calls that node.py or another part defines
+        def _worker_env(self) -> dict[str, str]: ...
+        def _assignment(self, record: records_pb2.RoundRecord, m: records_pb2.RoundMember) -> RoundAssignment: ...
+        def _spare_exited(self, exit_: WorkerExit) -> None: ...
+        def _worker_exited(self, exit_: WorkerExit) -> None: ...
+
+    def _adopt(self) -> int | None:
+        """Take over what the agent before left: its live workers of the round they train in, and
+        its lease id (returned; None without a state file). Workers that died while no agent
+        watched are reported as failed once registered (``_lost_while_away``)."""
+        node = self.config.node_id
+        try:
+            saved = load_state(self._state_file, self.config.job, node)
+        except (StateFileError, OSError) as exc:
+            log.warning("agent %s: ignoring the state file %s: %s", node, self._state_file, exc,
+                        extra={"node": node})
+            return None
+        if saved is None:
+            return None
+        self._state.restarts = saved.restarts
+        self._adopt_spares(saved)
+        live = [e for e in saved.workers if alive_and_same(e)]
+        record = records_pb2.RoundRecord.FromString(saved.round) if saved.round else None
+        mine = [m for m in record.members if m.node_id == node] if record is not None else []
+        if record is None or record.closed or not mine:
+            for e in live:
+                _kill_group(e.pid)
+            return saved.lease_id
+        assignment = self._assignment(record, mine[0])
+        group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
+                            extra_env=self._worker_env(), cwd=self.config.cwd,
+                            spawn_missing=False)
+        now = time.monotonic()
+        with self._lock:
+            for e in live:
+                w = Worker(e.local_rank, e.rank, AdoptedProcess(e.pid), Path(e.log_path), round=record.number,
+                           on_exit=self._worker_exited)
+                w.reformed = True
+                group.place(e.local_rank, w)
+                self._start_times[e.pid] = e.start_time
+                if e.can_reform:
+                    self._state.can_reform.add(e.pid)
+                self.stalls.started(w.rank, now)
+                self._step_clock[w.rank] = (now, "re-form")
+                w.watch()
+            self._state.group, self._state.round = group, record
+            adopted = {e.pid for e in live}
+            self._lost_while_away = [
+                WorkerExit(e.local_rank, e.rank, e.pid, -1, ExitKind.USER_ERROR,
+                           "died while no agent watched it (agent restart)", time.time(), record.number)
+                for e in saved.workers if e.pid not in adopted]
+        self.metrics.round.labels(node).set(record.number)
+        log.info("agent %s: adopted %d worker(s) of round %d from the agent before (%d died meanwhile)", node,
+                 len(live), record.number, len(self._lost_while_away), extra={"node": node, "round": record.number})
+        return saved.lease_id
+
+    def _adopt_spares(self, saved: AgentState) -> None:
+        """The warm spares the agent before left (they reconnect and say they are warm)."""
+        adopted = 0
+        self._adopted_warm = set()
+        for e in saved.spares:
+            if not alive_and_same(e):
+                continue
+            if e.warm:
+                self._adopted_warm.add(e.pid)
+            spare = Worker(-1, -1, AdoptedProcess(e.pid), Path(e.log_path), spare=True, on_exit=self._spare_exited)
+            self._start_times[e.pid] = e.start_time
+            self.spare_pool.add(spare)
+            spare.watch()
+            adopted += 1
+        if saved.spares:
+            log.info("agent %s: adopted %d of %d spare(s) from the agent before", self.config.node_id, adopted,
+                     len(saved.spares), extra={"node": self.config.node_id})
+
+    def _await_adopted_spares(self, timeout: float) -> None:
+        """Give adopted spares a moment to reconnect before the first round is applied: a rank
+        to fill would otherwise go to a cold new process while a warm spare is seconds away."""
+        deadline = time.monotonic() + timeout
+        while True:  # only for those that were warm: one still warming up connects when it can
+            waiting = [s.pid for s in self.spare_pool.status() if not s.ready and s.pid in self._adopted_warm]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                log.warning("agent %s: adopted spare(s) %s did not reconnect within %.1f s", self.config.node_id,
+                            waiting, timeout, extra={"node": self.config.node_id})
+                return
+            time.sleep(0.02)
+
+    def _save_state_safe(self) -> None:
+        try:
+            self._save_state()
+        except OSError as exc:
+            log.warning("agent %s: cannot write the state file %s: %s", self.config.node_id, self._state_file, exc,
+                        extra={"node": self.config.node_id})
+
+    def _save_state(self) -> None:
+        """Write what a successor needs to adopt the workers, when it changed."""
+        with self._lock:
+            group, record, lease = self._state.group, self._state.round, self._lease
+            if lease is None:
+                return
+            entries = []
+            if group is not None and record is not None and not record.closed:
+                for w in group.workers:
+                    if not w.running or w.stopping:
+                        continue
+                    start = self._start_times.get(w.pid)
+                    if start is None:
+                        start = process_start_time(w.pid)
+                        if start is None:
+                            continue
+                        self._start_times[w.pid] = start
+                    entries.append(WorkerEntry(w.local_rank, w.rank, w.pid, start, str(w.log_path),
+                                               w.pid in self._state.can_reform))
+            spares = []
+            warm = {s.pid for s in self.spare_pool.status() if s.warm}
+            for w in self.spare_pool.workers():
+                if not w.running or w.stopping:
+                    continue
+                start = self._start_times.get(w.pid) or process_start_time(w.pid)
+                if start is not None:
+                    self._start_times[w.pid] = start
+                    spares.append(SpareEntry(w.pid, start, str(w.log_path), w.pid in warm))
+            state = AgentState(self.config.job, self.config.node_id, lease.id,
+                               record.SerializeToString() if record is not None else b"", tuple(entries),
+                               self._state.restarts, tuple(spares))
+        raw = state.to_json()
+        if raw != self._saved_state:
+            self._state_file.parent.mkdir(parents=True, exist_ok=True)
+            save_state(self._state_file, state)
+            self._saved_state = raw
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL a left-over worker's process group (it belongs to no round this node is in)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGCONT)
+    except (ProcessLookupError, PermissionError):
+        pass
