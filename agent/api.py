@@ -7,6 +7,7 @@ wait on etcd, so a checkpoint's commit record is written on a thread of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import signal
@@ -82,6 +83,8 @@ class AgentApiMixin:
 
     def worker_hello(self, hello: HelloEvent) -> None:
         node = self.config.node_id
+        if hello.spare and hello.warm and self._warm_after_taken(hello.pid):
+            return
         if hello.spare:
             if (self.spare_pool.warm if hello.warm else self.spare_pool.ready)(hello.pid):
                 log.info("agent %s: spare (pid %d) %s", node, hello.pid, "warm" if hello.warm else "connected",
@@ -123,6 +126,24 @@ class AgentApiMixin:
         elif pending is not None and hello.round >= pending.round:
             log.error("agent %s: pid %d acknowledged round %d as rank %d, but was told rank %d", node, hello.pid,
                       hello.round, hello.rank, pending.rank, extra={"node": node, "round": hello.round})
+
+    def _warm_after_taken(self, pid: int) -> bool:
+        """A spare given its rank while it was still warming says it is warm: its re-form begins
+        now, so its deadline starts now. False if ``pid`` is no such spare."""
+        now = time.monotonic()
+        with self._lock:
+            pending = self._state.pending.get(pid)
+            group = self._state.group
+            w = group.worker(pending.local_rank) if group is not None and pending is not None else None
+            if pending is None or w is None or w.pid != pid or not w.warming:
+                return False
+            w.warming = False
+            self._state.pending[pid] = dataclasses.replace(pending, warming=False,
+                                                           deadline=now + self.config.reform_timeout)
+        log.info("agent %s: spare (pid %d) warm: it begins its re-form into round %d as rank %d", self.config.node_id,
+                 pid, pending.round, pending.rank,
+                 extra={"node": self.config.node_id, "rank": pending.rank, "round": pending.round})
+        return True
 
     def worker_step(self, event: StepEvent) -> None:
         with self._lock:

@@ -89,16 +89,20 @@ class Overdue:
     why: str
 
 
-def overdue_reform(proc: ProcState, connected: bool, waited: float, joining: bool) -> Overdue:
+def overdue_reform(proc: ProcState, connected: bool, waited: float, joining: bool, warming: bool = False) -> Overdue:
     """What to do with a worker whose re-form is not acknowledged ``waited`` seconds after the
     Reform was sent and past ``reform_timeout`` (see the module docstring). ``joining``: it said it
-    left its old world and waits for its new round's peers."""
+    left its old world and waits for its new round's peers. ``warming``: a spare given its rank
+    before it was warm, still building its engine (it reads the Reform once warm; on a loaded host
+    that can take longer than ``reform_timeout``), within the caller's patience."""
     if proc is ProcState.EXITED:
         return Overdue(False, "exited (its exit is handled as such)")
     if proc is ProcState.STOPPED:
         return Overdue(True, f"stopped (SIGSTOP) and not re-formed after {waited:.1f} s")
     if not connected:
         return Overdue(True, f"lost its channel to the agent and not re-formed after {waited:.1f} s")
+    if warming:
+        return Overdue(False, f"still warming up after {waited:.1f} s: it begins its re-form once warm")
     if not joining:
         return Overdue(True, f"did not begin its re-form within {waited:.1f} s")
     return Overdue(False, f"joining for {waited:.1f} s: waiting for its peers")

@@ -37,6 +37,11 @@ from stalwart.proto import agent_pb2, records_pb2
 
 log = logging.getLogger(__name__)
 
+# A spare given its rank while still warming up is not killed for a late re-form until this many
+# reform_timeouts have passed: warming on a loaded host takes long, but a spare that never gets
+# warm must not hold its round forever.
+WARMING_PATIENCE = 3
+
 
 class RoundsMixin:
     """Mixed into :class:`~stalwart.agent.node.NodeAgent`: round changes, applied on its main loop."""
@@ -262,7 +267,7 @@ class RoundsMixin:
                                                                  local_rank=w.local_rank))
         with self._lock:
             self._state.pending[w.pid] = PendingReform(record.number, w.local_rank, w.rank, now,
-                                                        now + self.config.reform_timeout)
+                                                        now + self.config.reform_timeout, warming=w.warming)
             self.stalls.started(w.rank, now)
             self._step_clock[w.rank] = (now, "re-form")
         if self.channels.send_pid(w.pid, command):
@@ -342,7 +347,8 @@ class RoundsMixin:
                     del self._state.pending[pid]
                     continue  # gone already: its exit was reported as such
                 linked = connected.get(w.local_rank) == pid or pid in spare_streams
-                overdue = overdue_reform(self._proc_state(p.local_rank, pid), linked, now - p.sent, p.joining)
+                warming = p.warming and now - p.sent < WARMING_PATIENCE * self.config.reform_timeout
+                overdue = overdue_reform(self._proc_state(p.local_rank, pid), linked, now - p.sent, p.joining, warming)
                 extra = {"node": self.config.node_id, "rank": p.rank, "round": p.round}
                 if not overdue.kill:
                     self._state.pending[pid] = dataclasses.replace(p, deadline=now + self.config.reform_timeout)

@@ -103,6 +103,7 @@ class SparePool:
             if not ready:
                 return None
             worker = min(ready, key=lambda w: (w.pid not in self._warm, w.started_at))
+            worker.warming = worker.pid not in self._warm
             del self._spares[worker.pid]
             self._ready.discard(worker.pid)
             self._warm.discard(worker.pid)

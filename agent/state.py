@@ -42,6 +42,7 @@ class PendingReform:
     sent: float  # monotonic
     deadline: float
     joining: bool = False  # the worker said it left its old world and waits for its new peers
+    warming: bool = False  # a spare given its rank before it was warm, and not warm yet
 
 
 @dataclass

@@ -147,6 +147,7 @@ class Worker:
         self.exit: WorkerExit | None = None
         self.started_at = time.monotonic()
         self.reformed = False  # kept from an earlier round or taken from the spares
+        self.warming = False  # a spare taken before it said it was warm, until it does
         self.on_exit = on_exit
         self._oom_before = oom_before
         self.goodbye = ""  # the reason of the worker's Goodbye, if it said one (an adopted one's only clue)

@@ -3,8 +3,9 @@
 It reports a step every STEP_TIME seconds. When the agent sends a Reform it appends a ``reform``
 line to EVENTS and acknowledges with ``AgentClient.reformed`` — unless its starting rank is
 IGNORE_REFORM_RANK, then it keeps stepping in its old world and never acknowledges. Started as a
-warm spare (``STALWART_SPARE=1``) it appends ``spare`` when connected, blocks in
-``wait_for_assignment``, appends ``assigned`` and joins (after ASSIGN_DELAY seconds). NO_REFORM=1: it never
+warm spare (``STALWART_SPARE=1``) it appends ``spare`` when connected, warms up for WARM_DELAY
+seconds, blocks in ``wait_for_assignment`` (which tells the agent it is warm), appends
+``assigned`` and joins (after ASSIGN_DELAY seconds). NO_REFORM=1: it never
 sets a re-form handler (a worker that cannot re-form). EVENTS lines: ``kind pid rank world_size round
 local_rank unix_time``.
 """
@@ -41,6 +42,7 @@ def on_reform(spec: ReformSpec) -> None:
 ignore = False
 if is_spare():
     event("spare", -1, 0, 0, -1)
+    time.sleep(float(os.environ.get("WARM_DELAY", "0")))  # building its model and engine
     spec = client.wait_for_assignment()
     event("assigned", spec.rank, spec.world_size, spec.round, spec.local_rank)
     time.sleep(float(os.environ.get("ASSIGN_DELAY", "0")))  # joining its first world takes a while

@@ -136,3 +136,13 @@ def test_a_worker_that_died_before_beginning_its_reform_is_refilled_in_the_same_
     assert not refill_in_place(joining=True, new_rank=1, warm_spare=True, spares=1)  # may have broken its peers
     # rank 0 may already host the round's store: its peers' joins broke with it, the round fails
     assert not refill_in_place(joining=False, new_rank=0, warm_spare=True, spares=1)
+
+
+def test_a_spare_given_its_rank_while_still_warming_is_not_killed_for_a_late_reform() -> None:
+    overdue = overdue_reform(ProcState.RUNNING, connected=True, waited=45.0, joining=False, warming=True)
+    assert not overdue.kill and "warming" in overdue.why
+    # past the caller's patience it is one that never began, like any other
+    assert overdue_reform(ProcState.RUNNING, connected=True, waited=125.0, joining=False, warming=False).kill
+    # warming or not, a stopped one or one that lost its channel is not waited for
+    assert overdue_reform(ProcState.STOPPED, connected=True, waited=45.0, joining=False, warming=True).kill
+    assert overdue_reform(ProcState.RUNNING, connected=False, waited=45.0, joining=False, warming=True).kill

@@ -330,6 +330,33 @@ def test_a_newer_round_before_the_spare_acknowledged_keeps_the_spare(
 
 
 
+def test_a_spare_given_its_rank_while_still_warming_is_not_killed_for_a_late_reform(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank is lost while the node's spare is connected but still warming (a loaded host): the
+    spare takes the rank and reads its Reform only once warm, past ``reform_timeout``. It is waited
+    for, not killed for "not beginning its re-form", and its re-form is timed from when it is warm."""
+    job = _job("reform-warming")
+    keys = JobKeys(job)
+    events = tmp_path / "events"
+    monkeypatch.setenv("EVENTS", str(events))
+    monkeypatch.setenv("WARM_DELAY", "3.0")
+    agent = start_agent(_config(etcd_server, tmp_path, job, spares=1, reform_timeout=1.5))  # patience 4.5 s
+    _open_round(etcd_client, keys, 1, ["n0"], 29571)
+    def connected_spares() -> list[int]:  # connected, still warming (status() shows warm ones only)
+        return [s.pid for s in agent.spare_pool.status() if s.ready and not s.warm]
+
+    wait_for(lambda: len(_workers(agent, 1, min_step=3)) == 2 and connected_spares(), 30, "workers and a spare")
+    spare = connected_spares()[0]
+    os.kill(_workers(agent, 1)[1], signal.SIGKILL)
+    wait_for(lambda: 1 not in _workers(agent, 1), 5, "the victim gone")
+    _open_round(etcd_client, keys, 2, ["n0"], 29572)
+    wait_for(lambda: len(_workers(agent, 2, min_step=3)) == 2, 30, "both ranks stepping in round 2")
+    assert _workers(agent, 2)[1] == spare  # the warming spare, not a process started after killing it
+    assigned = [e for e in _events(events) if e[0] == "assigned" and e[1] == spare]
+    assert [e[2:6] for e in assigned] == [(1, 2, 2, 1)], assigned
+
+
 def test_a_node_that_registers_again_after_the_world_moved_on_asks_to_warm_before_it_is_admitted(
         etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
