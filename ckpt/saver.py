@@ -292,19 +292,24 @@ class Checkpointer:
         writer with an older token (the workers of a round that the job has left behind) can no
         longer commit from this moment, not only after this one's first commit. Call it on one
         rank when a world forms. Raises :class:`CommitFenced` when a newer token is recorded
-        (this writer is the stale one)."""
+        (this writer is the stale one). A storage that cannot take the claim now (full, read-only
+        for a moment) is logged, not raised: a world must form even while no checkpoint can be
+        written, and the first commit records the token anyway."""
         fence = self.config.fence
         if fence is None:
             return
-        os.makedirs(self.root, exist_ok=True)
-        with storage.root_commit_lock(self.root):
-            seen = storage.read_fence(self.root)
-            if seen is not None and seen > fence:
-                raise CommitFenced(f"{self.root}: a writer with fence {seen} claimed this root; this one has {fence} "
-                                   f"(a stale world; if the root was reused by a new job, remove "
-                                   f"{storage.FENCE_NAME} there)")
-            if seen != fence:
-                storage.write_fence(self.root, fence)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            with storage.root_commit_lock(self.root):
+                seen = storage.read_fence(self.root)
+                if seen is not None and seen > fence:
+                    raise CommitFenced(f"{self.root}: a writer with fence {seen} claimed this root; this one has "
+                                       f"{fence} (a stale world; if the root was reused by a new job, remove "
+                                       f"{storage.FENCE_NAME} there)")
+                if seen != fence:
+                    storage.write_fence(self.root, fence)
+        except OSError as exc:
+            log.warning("%s: cannot record fence %d now (%s); the first commit records it", self.root, fence, exc)
 
     def inflight(self) -> SaveHandle | None:
         """The handle of the save still persisting or committing, or ``None`` when none is."""

@@ -397,6 +397,27 @@ def test_a_newer_writer_that_claims_the_fence_stops_an_older_one_before_either_c
     Checkpointer(root, SaveConfig(chunk_bytes=4096, retention=None)).claim_fence()  # no token: no claim
 
 
+def test_a_full_disk_does_not_stop_a_world_from_claiming_its_fence_and_the_first_commit_records_it(small_disk):
+    from stalwart.ckpt import CommitFenced
+
+    root = str(small_disk / "ckpt")
+    _save(root, 1, 1.0, config=SaveConfig(chunk_bytes=4096, retention=None, fence=1))
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # the disk is full now
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+    newer = Checkpointer(root, SaveConfig(chunk_bytes=4096, retention=None, fence=2))
+    newer.claim_fence()  # logged, not raised: the world forms
+    filler.unlink()
+    newer.save(2, {"t": torch.full((1000,), 2.0)}).result(60)
+    newer.close()
+    assert read_manifest(root, 2).fence == 2
+    with pytest.raises(CommitFenced):  # and the older writer is fenced from then on
+        _save(root, 3, 3.0, config=SaveConfig(chunk_bytes=4096, retention=None, fence=1))
+
+
 # --- 6: deeply nested JSON ------------------------------------------------------------------------
 
 
