@@ -223,12 +223,9 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     try:
         if spec.rank == 0 and spec.master_port not in _hosted_stores:
             _hosted_stores[spec.master_port] = _host_store(spec, join_timeout_s, superseded)
-        else:
-            _wait_listening(spec.master_addr, spec.master_port, join_timeout_s, superseded, spec.round)
         # A client of its own for every join, rank 0's too: a join that has to be broken cuts its
         # client's connection while the server lives on for the rounds after.
-        store = dist.TCPStore(spec.master_addr, spec.master_port, None, False,
-                              timeout=datetime.timedelta(seconds=join_timeout_s), wait_for_workers=False)
+        store = _connect_store(spec, join_timeout_s, superseded)
         prefixed = dist.PrefixStore(f"round-{spec.round}/", store)
         _arrive(prefixed, spec, join_timeout_s, superseded, on_wait)
         dist.init_process_group(backend, store=prefixed, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
@@ -362,6 +359,37 @@ def _host_store(spec: ReformSpec, timeout_s: float, superseded: Callable[[], boo
             if superseded():
                 raise JoinSuperseded(spec.round) from None
             time.sleep(0.05)
+
+
+CONNECT_TRY_S = 2.0  # one try of a store client's connection (see _connect_store)
+
+
+def _connect_store(spec: ReformSpec, timeout_s: float, superseded: Callable[[], bool]) -> Any:
+    """A client of the round's store (rank 0's), connected in short tries: TCPStore's own connect
+    retries for its whole timeout (the join's, minutes) when the host resets it (it died, or sits
+    behind a cut link), and nothing interrupts it; between tries a newer round ends the wait."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _wait_listening(spec.master_addr, spec.master_port, max(0.0, deadline - time.monotonic()), superseded,
+                        spec.round)
+        try:
+            store = dist.TCPStore(spec.master_addr, spec.master_port, None, False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=max(0.1, min(CONNECT_TRY_S,
+                                                                                   deadline - time.monotonic()))))
+        except RuntimeError:  # DistNetworkError is a RuntimeError
+            if superseded():
+                raise JoinSuperseded(spec.round) from None
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+            continue
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return store
 
 
 def _wait_listening(addr: str, port: int, timeout_s: float, superseded: Callable[[], bool] = lambda: False,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch.distributed as dist
 
 from stalwart.trainer.reform import JoinSuperseded, ReformSpec, _arrive
@@ -115,3 +116,42 @@ def test_rank_0_waits_for_its_port_held_by_the_process_it_replaces() -> None:
                         30.0, lambda: False)
     store.set("k", b"v")
     assert store.get("k") == b"v"
+
+
+def test_a_store_client_whose_host_resets_it_gives_up_when_the_round_is_superseded() -> None:
+    """A host that accepts and resets (a dying rank 0): TCPStore's own connect would retry for the
+    join's whole timeout (minutes here); the join's client tries in short steps, so a newer round
+    ends the wait."""
+    import socket
+    import struct
+    import time
+
+    from stalwart.trainer.reform import _connect_store
+
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def reset_every_connection() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # an RST, as from a process that died
+
+    resetter = threading.Thread(target=reset_every_connection, daemon=True)
+    resetter.start()
+    spec = ReformSpec(rank=1, world_size=2, master_addr="127.0.0.1", master_port=server.getsockname()[1], round=3)
+    superseded = threading.Event()
+    threading.Timer(0.5, superseded.set).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(JoinSuperseded):
+            _connect_store(spec, 600.0, superseded.is_set)
+    finally:
+        stop.set()
+        resetter.join(5)
+        server.close()
+    assert time.monotonic() - started < 60  # not the join's 600 s
