@@ -360,7 +360,7 @@ class RoundsMixin:
                 log.error("agent %s: rank %d (pid %d) into round %d: %s; killing and replacing it",
                           self.config.node_id, p.rank, pid, p.round, overdue.why, extra=extra)
                 self.metrics.reforms.labels(self.config.node_id, "timed-out").inc()
-                w.kill()
+                w.dump_then_kill()  # its log says where it was stuck
                 self._commands.put(("refill", (p.round, p.local_rank, pid)))
 
 

@@ -194,6 +194,18 @@ class Worker:
             return False
         return True
 
+    def dump_then_kill(self, delay: float = 0.5) -> None:
+        """SIGUSR2 (a stalwart trainer dumps every thread's stack to its log: where it was stuck),
+        then :meth:`kill` ``delay`` seconds later, off the caller's thread."""
+        self.stopping = True
+        try:
+            os.kill(self.pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            return
+        timer = threading.Timer(delay, self.kill)
+        timer.daemon = True
+        timer.start()
+
     def kill(self) -> None:
         """SIGKILL now, as the agent's own decision (the exit is STOPPED, not a failure)."""
         self.stopping = True

@@ -26,6 +26,7 @@ time (wall time minus time blocked in ``torch.distributed`` collectives).
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import queue
@@ -104,6 +105,9 @@ class AgentClient:
         self.on_orphaned: Callable[[float], None] = _stop_orphan
         if not self.enabled:
             return
+        # The agent sends SIGUSR2 before it kills a worker that did not begin its re-form in time:
+        # every thread's stack goes to this worker's log, to show where it was stuck.
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
         if os.environ.get(ENV_COLLECTIVE_TIMER, "1") != "0":
             from stalwart.trainer import collective_timer
 

@@ -171,6 +171,8 @@ def test_worker_that_ignores_its_reform_is_killed_and_replaced(
     assert [e[2:6] for e in got if e[0] == "start" and e[1] == workers[1]] == [(3, 4, 2, 1)]  # a fresh process
     exit_ = next(e for e in agent._state.exits if e.pid == stubborn)  # noqa: SLF001
     assert exit_.returncode == -signal.SIGKILL and exit_.kind is ExitKind.STOPPED  # the agent's decision
+    logs = [p.read_text(errors="replace") for p in tmp_path.rglob("round-000001/rank-00001*.log")]
+    assert any("most recent call first" in text for text in logs), "no stack dump in the killed worker's log"
     kv = etcd_client.get(keys.health("n0"))
     assert kv is not None and not records_pb2.HealthRecord.FromString(kv.value).findings  # not a round failure
     print(f"\nunacknowledged re-form: SIGKILL {took:.3f} s after the round (reform_timeout 1.5 s)")
