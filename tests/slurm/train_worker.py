@@ -1,7 +1,8 @@
 """The smallest training job for the Slurm test: gloo all-reduce steps up to LAST, a committed
-checkpoint every CKPT_EVERY steps and at LAST (the job's end marker), then exit 0. Each worker
-writes its pid to PIDS/<node>.pid (Slurm's node name, inherited from the agent) so the test can
-kill one. A restarted round continues from STALWART_RESTORE_STEP."""
+checkpoint every CKPT_EVERY steps and at LAST (the job's end marker), then it closes the agent
+client (its last report delivered) and exits 0. Each worker writes its pid to PIDS/<node>.pid
+(Slurm's node name, inherited from the agent) so the test can kill one. A restarted round
+continues from STALWART_RESTORE_STEP."""
 
 import os
 import time
@@ -33,3 +34,4 @@ while step < last:
         client.checkpoint(step, f"/tmp/fake-ckpt/{step}", committed=True)
 dist.barrier()
 
+client.close("finished")  # the last checkpoint report reaches the agent before the process ends
