@@ -138,13 +138,7 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
             self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_bind_host)
         if cancel is not None and not self._wait_for_etcd(cancel):
             return False
-        kv = self.client.get(self.keys.round)
-        if kv is not None:
-            try:
-                self._state.seen_round = records_pb2.RoundRecord.FromString(kv.value)
-            except Exception:  # a malformed round is reported when it is applied
-                pass
-            self._update_readiness()
+        self._catch_up_round()  # whether this node may join warm, before it registers
         self._register(resume=self._adopt())
         self._save_state()
         self._await_adopted_spares(ADOPTED_SPARE_WAIT_S)
@@ -204,10 +198,11 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
                              Put(self.keys.health(self.config.node_id), health.SerializeToString(), lease.id)])
 
     def _catch_up_round(self) -> None:
-        """Registering again (the lease was lost: a cut link, etcd out of reach): the world has
-        most likely moved on without this node. Read the round now, so the health record that goes
-        out with the registration says whether the node can join warm; one computed from the round
-        it was last in says "ready", and the daemon would admit a node that must start cold."""
+        """Read the newest round before registering, so the health record that goes out with the
+        registration says whether the node can join warm. Registering again (the lease was lost: a
+        cut link, etcd out of reach), the world has most likely moved on without this node; one
+        computed from the round it was last in says "ready", and the daemon would admit a node
+        that must start cold. A malformed round is reported when the watch brings it."""
         kv = self.client.get(self.keys.round)
         if kv is None:
             return
