@@ -172,11 +172,39 @@ def store_ports() -> set[int]:
 
 
 class JoinSuperseded(Exception):
-    """A newer round came while this process waited for its peers: join that one instead."""
+    """A newer round came while this process waited for its peers: join that one instead.
+    ``built``: what :func:`within_round` had made of the superseded world when it was broken (an
+    engine to release), or None."""
 
-    def __init__(self, round: int) -> None:
+    def __init__(self, round: int, built: Any = None) -> None:
         super().__init__(f"round {round} was superseded while its peers were arriving")
         self.round = round
+        self.built = built
+
+
+def within_round(round_number: int, superseded: Callable[[], bool], form: Callable[[], Any]) -> Any:
+    """Run ``form()`` (the rest of forming a joined world: building the engine, whose DeepSpeed
+    groups rendezvous on the store like the join, and restoring, whose collectives wait on every
+    peer) under the same breaker as :func:`join_world`, and return what it returns.
+
+    Why: a world can be superseded after its join finished, while it builds its engine, and a
+    peer of it that died or hung meanwhile would hold the others in ``new_group`` or in the
+    restore's collectives until their timeout (and the agent, seeing no re-form begun, kills
+    them). Broken here instead, ``form`` fails at once and :class:`JoinSuperseded` is raised,
+    carrying whatever ``form`` returned if it finished regardless (the caller releases it and
+    leaves the world before joining the newer round)."""
+    breaker = _JoinBreaker(superseded, hosted=_hosted_stores)
+    built = None
+    try:
+        built = form()
+    except Exception:
+        if not breaker.fired:
+            raise
+    finally:
+        breaker.stop()
+    if breaker.fired:
+        raise JoinSuperseded(round_number, built)
+    return built
 
 
 def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, join_timeout_s: float,

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ from stalwart.trainer.reform import (
     join_world,
     leave_world,
     store_ports,
+    within_round,
 )
 from stalwart.trainer.world_sockets import world_sockets
 
@@ -184,14 +186,21 @@ class ReformingMixin:
                     spec = self._join_newest(spec)
                     timing.round, timing.world_size, timing.rank = spec.round, spec.world_size, spec.rank
                     timing.group_up_at = time.time()
-                    engine = self._recipe.build(self.config, spec.world_size)
-                    timing.engine_built_at = time.time()
-                    self._attach(engine, spec.round, spec.master_addr)
-                    self.round = spec.round
-                    restored = self._restore(required=True, host=host)
+                    restored = within_round(spec.round, lambda r=spec.round: self._newer_reform(r),  # type: ignore[misc]
+                                            lambda s=spec: self._form(s, timing, host))  # type: ignore[misc]
                     assert restored is not None
                     self._resume(restored)
                     break
+                except JoinSuperseded:
+                    # Superseded after its join, while it built its engine or restored (a peer of
+                    # it lost meanwhile would hold this rank there): on to the newer round.
+                    self._drop_partial_world()  # _attach took the engine first, if it was built
+                    newer = self._take_reform()
+                    assert newer is not None
+                    log.warning("rank %d: round %d superseded while it formed; joining round %d as rank %d of %d",
+                                spec.rank, spec.round, newer.round, newer.rank, newer.world_size)
+                    self._check_world(newer)
+                    spec = newer
                 except (ReformFailed, TrainerError):
                     raise
                 except Exception as exc:
@@ -232,6 +241,14 @@ class ReformingMixin:
                             timings=timing.to_json())
         self._tell_agent(spec.local_rank)
         return timing
+
+    def _form(self, spec: ReformSpec, timing: ReformTimings, host: Any) -> Any:
+        """Build the engine for the joined world, attach to it and restore (see :meth:`reform`)."""
+        engine = self._recipe.build(self.config, spec.world_size)
+        timing.engine_built_at = time.time()
+        self._attach(engine, spec.round, spec.master_addr)
+        self.round = spec.round
+        return self._restore(required=True, host=host)
 
     def _join_newest(self, spec: ReformSpec) -> ReformSpec:
         """Join ``spec``'s world, or a newer one that the agent sends while its peers are still

@@ -1,10 +1,10 @@
 """A warm spare's way into its first world.
 
 A spare (``STALWART_SPARE=1``) builds its engine once while it waits, so that it joins a world as
-fast as a survivor re-forms; :func:`join_as_spare` then waits for its assignment and joins that
-round, or the newer one that supersedes it or follows it when a lost peer breaks it while it
-forms. :meth:`Trainer.initialize <stalwart.trainer.Trainer.initialize>` calls it before building
-the engine for the world joined.
+fast as a survivor re-forms; :func:`join_as_spare` then waits for its assignment, joins that
+round and builds the engine for it, or moves to the newer round that supersedes it (while it
+joins or builds) or follows it when a lost peer breaks it while it forms.
+:meth:`Trainer.initialize <stalwart.trainer.Trainer.initialize>` calls it.
 """
 
 from __future__ import annotations
@@ -18,19 +18,26 @@ from typing import Any
 from stalwart.proto.contract import ENV_SPARE
 from stalwart.trainer.agent_client import AgentClient
 from stalwart.trainer.config import TrainerConfig
-from stalwart.trainer.engine import _EngineRecipe, _warm_up
+from stalwart.trainer.engine import _EngineRecipe, _release_engine, _warm_up
 from stalwart.trainer.errors import ReformFailed
-from stalwart.trainer.reform import JoinSuperseded, ReformSpec, is_collective_error, join_world, leave_world
+from stalwart.trainer.reform import (
+    JoinSuperseded,
+    ReformSpec,
+    is_collective_error,
+    join_world,
+    leave_world,
+    within_round,
+)
 from stalwart.trainer.world_sockets import world_sockets
 
 log = logging.getLogger(__name__)
 
 
 def join_as_spare(agent: AgentClient, assignment: Callable[[], ReformSpec] | None, recipe: _EngineRecipe,
-                  config: TrainerConfig, backend: str, *, warm: bool) -> ReformSpec:
+                  config: TrainerConfig, backend: str, *, warm: bool) -> tuple[ReformSpec, Any]:
     """Warm up (where ``warm``), wait for the assignment (``assignment()`` where given, else the
-    agent client's ``wait_for_assignment()``) and join its world. Returns the spec of the round
-    joined."""
+    agent client's ``wait_for_assignment()``), join its world and build the engine for it.
+    Returns the spec of the round joined and its engine."""
     source = assignment or getattr(agent, "wait_for_assignment", None)
     if source is None:
         raise ReformFailed("a spare (STALWART_SPARE=1) needs an assignment: the agent client's "
@@ -44,6 +51,29 @@ def join_as_spare(agent: AgentClient, assignment: Callable[[], ReformSpec] | Non
     log.warning("spare pid %d: assigned rank %d of %d in round %d", os.getpid(), spec.rank,
                 spec.world_size, spec.round)
     os.environ.pop(ENV_SPARE, None)
+    has_newer = getattr(agent, "has_newer_reform", lambda _round: False)
+    while True:
+        spec = _join(agent, spec, config, backend)
+        try:
+            engine = within_round(spec.round, lambda r=spec.round: has_newer(r),  # type: ignore[misc]
+                                  lambda s=spec: recipe.build(config, s.world_size))  # type: ignore[misc]
+            return spec, engine
+        except JoinSuperseded as exc:
+            # Superseded after the join, while DeepSpeed made its groups (a peer lost meanwhile
+            # would hold this process in new_group): leave that world for the newer round.
+            if exc.built is not None:
+                _release_engine(exc.built, spec.rank)
+            leave_world()
+            newer = agent.take_newer_reform(spec.round)
+            assert newer is not None
+            log.warning("spare pid %d: round %d superseded while its engine was built; joining round %d as rank %d",
+                        os.getpid(), spec.round, newer.round, newer.rank)
+            spec = newer
+
+
+def _join(agent: AgentClient, spec: ReformSpec, config: TrainerConfig, backend: str) -> ReformSpec:
+    """Join ``spec``'s world, or the newer one that supersedes it or follows it when a lost peer
+    breaks it while it forms. Returns the spec of the round joined."""
     has_newer = getattr(agent, "has_newer_reform", lambda _round: False)
     joining = getattr(agent, "joining", None)
     while True:

@@ -223,7 +223,7 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
                 agent = AgentClient(rank=0)
             # ZeRO-3 would partition the model for a world of one
             warm = int((ds_config.get("zero_optimization") or {}).get("stage", 0)) != 3
-            spec = join_as_spare(agent, assignment, recipe, config, backend, warm=warm)
+            spec, engine = join_as_spare(agent, assignment, recipe, config, backend, warm=warm)
         elif not dist.is_initialized():
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_PORT" not in os.environ:
                 world_sockets.joining()
@@ -240,7 +240,8 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
                     _warm_up(recipe, config, backend)
                 join_world(spec, backend=backend, collective_timeout_s=config.collective_timeout_s,
                            join_timeout_s=config.dist_timeout_s)
-        engine = recipe.build(config, dist.get_world_size())
+        if not spare:
+            engine = recipe.build(config, dist.get_world_size())
         trainer = cls(engine, config, agent=agent, _recipe=recipe, _required=spare)
         if spare:
             trainer._tell_agent(spec.local_rank)

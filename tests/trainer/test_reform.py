@@ -352,6 +352,50 @@ def test_a_join_stuck_in_gloo_rendezvous_is_broken_when_a_newer_round_supersedes
         assert "its join has not finished: breaking it" in (job.root / f"{name}.log").read_text(), name
 
 
+def test_a_world_superseded_while_it_builds_its_engine_is_left_for_the_newer_round(
+        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness]) -> None:
+    """Round 1's join finishes (w0, w1 and a third rank), then the third hangs before DeepSpeed
+    makes its groups, so w0 and w1 wait in ``new_group`` while they build the engine, past the
+    join and its breaker. Round 2 (w0 and w1 alone) supersedes round 1: the engine build is broken
+    at once and both train in round 2, not after the 60 s collective timeout (the agent would
+    have killed them first, for not beginning their re-form into round 2)."""
+    timeout = 60.0
+    job = Harness(tmp_path, ds_env)
+    jobs.append(job)
+    port, port1, port2 = free_port(), free_port(), free_port()
+    extra = ("--collective-timeout", str(timeout), "--dist-timeout", str(timeout), "--reform-at-step", "4")
+    for r in range(2):
+        spec = {"rank": r, "world_size": 3, "master_addr": "127.0.0.1", "master_port": port1, "round": 1}
+        job.start(f"w{r}", rank=r, world=2, port=port, extra=(*extra, "--reform-spec", json.dumps(spec)))
+    child = str(Path(__file__).with_name("joined_then_hung_child.py"))
+    third = subprocess.Popen([sys.executable, child, "--rank", "2", "--world", "3", "--port", str(port1),
+                              "--round", "1"], env=ds_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert third.stdout is not None
+        lines = []
+        for line in third.stdout:  # ends with the process: a join that failed says why
+            lines.append(line)
+            if line.strip() == "joined":
+                break
+        assert lines and lines[-1].strip() == "joined", "".join(lines)[-3000:]
+        time.sleep(1.0)  # w0 and w1 are building round 1's engine now, held in new_group by the third
+        superseded_at = time.time()
+        for r in range(2):
+            job.reform(f"w{r}", rank=r, world=2, port=port2, round=2)
+        results = job.wait(["w0", "w1"])
+    finally:
+        third.kill()
+        third.wait()
+    print_timings("engine build superseded", superseded_at, results)
+    for name, res in results.items():
+        assert "error" not in res, (name, res["error"], job.logs())
+        assert res["step"] == STEPS
+        last = res["reforms"][-1]
+        assert (last["round"], last["world_size"]) == (2, 2), (name, res["reforms"])
+        assert last["first_step_at"] - superseded_at < timeout / 4, (name, last)  # not the collective timeout
+        assert "superseded while it formed" in (job.root / f"{name}.log").read_text(), name
+
+
 def test_a_process_whose_join_failed_forms_the_next_world_with_a_fresh_peer(ds_env: dict[str, str]) -> None:
     """``init_process_group`` counts its group before it can fail: after a broken join the process
     would name its next world's default group "1" and a fresh peer "0", and their rendezvous keys
