@@ -29,6 +29,7 @@ from stalwart.agent.adopt import (
 )
 from stalwart.agent.config import AgentConfig
 from stalwart.agent.metrics import AgentMetrics
+from stalwart.agent.service import WorkerChannels
 from stalwart.agent.spares import SparePool
 from stalwart.agent.stall import StallDetector
 from stalwart.agent.state import NodeState
@@ -47,6 +48,7 @@ class SuccessionMixin:
     stalls: StallDetector
     metrics: AgentMetrics
     spare_pool: SparePool
+    channels: WorkerChannels
     _state: NodeState
     _lock: threading.RLock
     _lease: Lease | None
@@ -141,6 +143,25 @@ class SuccessionMixin:
                 return
             if time.monotonic() > deadline:
                 log.warning("agent %s: adopted spare(s) %s did not reconnect within %.1f s", self.config.node_id,
+                            waiting, timeout, extra={"node": self.config.node_id})
+                return
+            time.sleep(0.02)
+
+    def _await_adopted_workers(self, timeout: float) -> None:
+        """Give adopted workers a moment to reconnect before rounds are applied: a round that
+        comes while one is still reconnecting would find it "not connected" and stop it, and its
+        node would leave the world to warm a replacement for a worker that trained on all along."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                group = self._state.group
+                adopted = [w for w in (group.workers if group is not None else []) if w.running]
+            connected = self.channels.connected()
+            waiting = [w.pid for w in adopted if connected.get(w.local_rank) != w.pid]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                log.warning("agent %s: adopted worker(s) %s did not reconnect within %.1f s", self.config.node_id,
                             waiting, timeout, extra={"node": self.config.node_id})
                 return
             time.sleep(0.02)

@@ -49,6 +49,15 @@ from stalwart.proto.contract import (
 from stalwart.trainer.reform import ReformSpec, is_spare
 
 log = logging.getLogger(__name__)
+
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+"""The progress channel retries its unix socket at most every 0.5 s: gRPC's default backoff
+grows to seconds while an agent restarts, and a worker that reconnects late to the successor
+looks lost to it (a round that comes meanwhile stops it). A local socket is cheap to retry."""
 _END = object()
 
 FaultHandler = Callable[[str, int, float], None]
@@ -147,7 +156,7 @@ class AgentClient:
         while not self._closing:
             self._generation += 1
             generation = self._generation
-            with grpc.insecure_channel(socket_target(self.socket_path)) as channel:
+            with grpc.insecure_channel(socket_target(self.socket_path), options=RECONNECT_OPTIONS) as channel:
                 budget = self.orphan_timeout - (time.monotonic() - gone_since)
                 try:
                     grpc.channel_ready_future(channel).result(timeout=max(budget, 0.1))

@@ -298,6 +298,59 @@ def test_a_warm_spare_outlives_a_crashed_agent_and_the_successor_adopts_it(
         err.close()
 
 
+def test_a_round_that_came_while_the_agent_was_away_keeps_the_adopted_worker(
+        tmp_path: Path, etcd_server: LocalEtcd, etcd_client: EtcdClient) -> None:
+    """The agent crashes and the job moves to round 2 (same members) before its successor is up.
+    The successor reads round 2 right after it registers, while the adopted worker is still
+    reconnecting: it waits for it and re-forms it in place, rather than stopping a worker that
+    trained on all along as "not connected to the agent" (the demo's node then left the world)."""
+    job = f"away-{os.getpid()}-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    cfg = _write_config(tmp_path / "agent.toml", etcd_server, job, tmp_path / "state", extra="lease_ttl = 60")
+    cfg.write_text(cfg.read_text().replace(WORKER, SPARE_WORKER).replace("workers = 2", "workers = 1"))
+    err = open(tmp_path / "agent.err", "ab")
+    events = tmp_path / "events"
+    env = dict(os.environ, EVENTS=str(events))
+    start = lambda: subprocess.Popen([STALWART, "--log-level", "info", "agent", "--config", str(cfg)],  # noqa: E731
+                                     env=env, stdout=subprocess.DEVNULL, stderr=err)
+    agent = start()
+    worker: psutil.Process | None = None
+    try:
+        wait_for(lambda: _node(etcd_client, keys) is not None, 30, "the agent registered", tmp_path)
+        address = _node(etcd_client, keys).address  # type: ignore[union-attr]
+
+        def round_(number: int) -> bytes:
+            record = records_pb2.RoundRecord(number=number, world_size=1, master_addr="127.0.0.1", master_port=1)
+            record.members.add(node_id="proc0", node_rank=0, first_rank=0, local_world_size=1, address=address)
+            return record.SerializeToString()
+
+        etcd_client.put(keys.round, round_(1))
+        wait_for(lambda: _adopted(etcd_client, keys, {w.pid for w in psutil.Process(agent.pid).children()}, 2), 60,
+                 "the worker stepping", tmp_path)
+        (worker,) = psutil.Process(agent.pid).children()
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        etcd_client.put(keys.round, round_(2))
+        time.sleep(2.0)  # the worker's reconnect attempts back off meanwhile
+        assert worker.is_running(), "the worker died with its agent"
+        agent = start()
+        wait_for(lambda: f"reform {worker.pid} 0 1 2 0" in events.read_text(), 60,
+                 "the adopted worker re-formed into round 2", tmp_path)
+        assert worker.is_running()
+        log = (tmp_path / "agent.err").read_text()
+        assert "not connected to the agent" not in log, log[-3000:]
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait()
+        if worker is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
+        err.close()
+
+
 def _start_failure(cfg: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     out = subprocess.run([STALWART, "agent", "--config", str(cfg), *flags], capture_output=True, text=True,
                          timeout=60)
