@@ -118,6 +118,10 @@ class AgentConfig:
     # and build everything, then wait for a rank. 0 by default: a command must support spares
     # (AgentClient.wait_for_assignment), and each spare costs a process's memory.
     spares: int = 0
+    # Spares warm at this nice value (0-19; 0: the workers' own) and get the workers' priority back
+    # when they take a rank, so they can start with the round's workers instead of after their
+    # first step. Only where the agent may raise a priority again (root, or RLIMIT_NICE >= 20).
+    spare_nice: int = 10
     # A worker that dies with no ready spare makes the node "replacing": it asks the daemon to
     # leave it out (the others re-form at once) while it warms one spare per local worker; after
     # this many seconds without them it stops asking and rejoins with cold processes.
@@ -144,6 +148,7 @@ class AgentConfig:
         _check(self.replace_timeout > 0, "replace_timeout", f"must be > 0 s, got {self.replace_timeout}")
         _check(self.reform_timeout > 0, "reform_timeout", f"must be > 0 s, got {self.reform_timeout}")
         _check(0 <= self.spares <= 64, "spares", f"must be within [0, 64] per node, got {self.spares}")
+        _check(0 <= self.spare_nice <= 19, "spare_nice", f"must be within [0, 19], got {self.spare_nice}")
         _check(self.spares == 0 or self.reform_in_place, "spares",
                "warm spares take a rank by re-forming in place: they need reform_in_place = true")
         _check(self.straggler_factor > 1, "straggler_factor", f"must be > 1, got {self.straggler_factor}")

@@ -23,7 +23,10 @@ the daemon's decision alone.
   of the current round: not before the first round (the job's start is the slowest moment of
   all), and not while a worker is still starting or re-forming, since on a node's few CPU cores
   a spare importing torch beside it only slows the step the whole world waits for. A node
-  warming to join, or replacing a lost worker, starts them at once.
+  warming to join, or replacing a lost worker, starts them at once. Spares that warm niced
+  (``spare_nice``, where the agent may give their priority back) take only what CPU the workers
+  leave: they start as soon as the node's workers run in a round, so they are warm by the first
+  fault rather than seconds after it.
 - **Ready to join** (:func:`join_readiness`): once the job has had a round, a node outside the
   current one (or after it closed) asks to be left out (its health record says ``replacing``)
   until it has a warm spare for each of its workers, so the daemon admits it only once it can join
@@ -174,11 +177,11 @@ def lost_before_step(gap: float, typical: float, after: str) -> tuple[str, float
     return None
 
 
-def spares_may_start(*, warming: bool, replacing: bool, workers: int, stepped: int) -> bool:
+def spares_may_start(*, warming: bool, replacing: bool, workers: int, stepped: int, niced: bool = False) -> bool:
     """Whether the spare pool may start processes now (see the module docstring). ``workers``:
     this node's workers in the current round (0: none); ``stepped``: how many of them reported a
-    step in it."""
-    return warming or replacing or (workers > 0 and stepped >= workers)
+    step in it; ``niced``: spares warm at a lower priority than the workers."""
+    return warming or replacing or (workers > 0 and (niced or stepped >= workers))
 
 
 def ring_neighbours(members: list[str], me: str, k: int) -> list[str]:

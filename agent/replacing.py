@@ -11,6 +11,7 @@ waits on one that cannot act on SIGTERM.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -24,7 +25,7 @@ from stalwart.agent.metrics import AgentMetrics
 from stalwart.agent.spares import SparePool
 from stalwart.agent.stall import StallDetector
 from stalwart.agent.state import NodeState, Progress
-from stalwart.agent.workers import ExitKind, Worker, WorkerExit, start_spare, stop_workers
+from stalwart.agent.workers import ExitKind, Worker, WorkerExit, can_restore_priority, start_spare, stop_workers
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,31 @@ class ReplacingMixin:
         def _publish_progress_safe(self) -> None: ...
         def _clear_throttles(self, keep: dict[int, int] | None = None) -> None: ...
 
+    @functools.cached_property
+    def _spare_nice(self) -> int:
+        """The nice value spares warm at: ``spare_nice`` where their priority can be given back."""
+        if self.config.spare_nice and not can_restore_priority():
+            log.info("agent %s: spares warm at the workers' priority: this agent may not raise a priority "
+                     "again (spare_nice needs root or RLIMIT_NICE >= 20)", self.config.node_id,
+                     extra={"node": self.config.node_id})
+            return 0
+        return self.config.spare_nice
+
     def _start_spare(self) -> Worker:
+        nice = 0 if self._awaiting_spares() else self._spare_nice
         return start_spare(self.config.command, self.config.log_dir, self._spare_exited,
-                           extra_env=self._worker_env(), cwd=self.config.cwd)
+                           extra_env=self._worker_env(), cwd=self.config.cwd, nice=nice)
+
+    def _awaiting_spares(self) -> bool:
+        """The node is out of the world until its spares are warm (replacing a lost worker, or
+        warming to join): their warm-up is then what it waits for, not a side job."""
+        return self._state.replacing_since is not None or self._state.warming_since is not None
 
     def _maintain_spares(self) -> None:
+        if self._awaiting_spares():
+            for spare in self.spare_pool.workers():
+                if spare.niced and spare.running:
+                    spare.restore_priority()
         if self.spare_pool.wanted and not self._state.draining and self._spares_may_start():
             self.spare_pool.maintain()
         self._spare_metrics()
@@ -69,7 +90,7 @@ class ReplacingMixin:
             stepped = sum(1 for w in running if self._state.progress.get(w.rank, Progress()).step >= 0)
             return spares_may_start(warming=self._state.warming_since is not None,
                                     replacing=self._state.replacing_since is not None, workers=len(running),
-                                    stepped=stepped)
+                                    stepped=stepped, niced=self._spare_nice > 0)
 
     def _spare_metrics(self) -> None:
         spares = self.spare_pool.status()

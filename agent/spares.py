@@ -104,6 +104,7 @@ class SparePool:
                 return None
             worker = min(ready, key=lambda w: (w.pid not in self._warm, w.started_at))
             worker.warming = worker.pid not in self._warm
+            worker.restore_priority()  # it may have warmed niced (start_spare)
             del self._spares[worker.pid]
             self._ready.discard(worker.pid)
             self._warm.discard(worker.pid)

@@ -151,6 +151,7 @@ class Worker:
         self.on_exit = on_exit
         self._oom_before = oom_before
         self.goodbye = ""  # the reason of the worker's Goodbye, if it said one (an adopted one's only clue)
+        self.niced = False  # a spare warming below the workers' priority (start_spare)
 
     @property
     def pid(self) -> int:
@@ -206,6 +207,17 @@ class Worker:
         timer.daemon = True
         timer.start()
 
+    def restore_priority(self) -> None:
+        """Back to the workers' priority (nice 0), every thread and child of the process group:
+        a spare warms at a lower one (:func:`start_spare`) and must not keep it as a rank, or the
+        world would wait on it every step."""
+        self.niced = False
+        try:
+            os.setpriority(os.PRIO_PGRP, self.pid, 0)
+            _set_autogroup_nice(self.pid, 0)
+        except OSError as exc:
+            log.warning("cannot give pid %d its workers' priority back: %s", self.pid, exc)
+
     def kill(self) -> None:
         """SIGKILL now, as the agent's own decision (the exit is STOPPED, not a failure)."""
         self.stopping = True
@@ -235,12 +247,44 @@ def _spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: 
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _set_autogroup_nice(pid: int, nice: int) -> None:
+    """The nice value of the scheduler autogroup of ``pid``'s session (``/proc/<pid>/autogroup``).
+
+    Why: with autogroups on (the default of most distributions) CPU time is first shared between
+    sessions, and a process's own nice value counts only within its session. A spare runs in a
+    session of its own, so niced alone it would still take a whole session's share beside each
+    worker. A kernel without autogroups has no such file: nothing to do. Unprivileged writes are
+    rate-limited (EAGAIN): tried again once."""
+    path = f"/proc/{pid}/autogroup"
+    for attempt in range(2):
+        try:
+            with open(path, "w") as f:
+                f.write(str(nice))
+            return
+        except FileNotFoundError:
+            return
+        except BlockingIOError:
+            if attempt:
+                raise
+            time.sleep(0.11)
+
+
+def can_restore_priority() -> bool:
+    """Whether this process may lower a nice value again (root, or ``RLIMIT_NICE`` ≥ 20), as
+    :meth:`Worker.restore_priority` must for a spare started niced."""
+    import resource
+
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
 def start_spare(command: Sequence[str], log_dir: Path, on_exit: Callable[[WorkerExit], None], *,
-                extra_env: Mapping[str, str] | None = None, cwd: str | None = None) -> Worker:
+                extra_env: Mapping[str, str] | None = None, cwd: str | None = None, nice: int = 0) -> Worker:
     """Start a warm spare: the worker command with ``STALWART_SPARE=1`` and no rank. It imports
     and builds what it can, then waits on the progress channel for a rank. Like a worker it
     outlives its agent (a restarted agent adopts it; one gone for good orphans it, and it stops
-    itself after ``STALWART_ORPHAN_TIMEOUT``)."""
+    itself after ``STALWART_ORPHAN_TIMEOUT``). ``nice`` > 0: it warms at that nice value (its
+    whole process group), using what CPU the node's workers leave; taking it as a rank restores
+    the workers' priority."""
     env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
     env.update(extra_env or {})
     env[ENV_SPARE] = "1"
@@ -248,6 +292,12 @@ def start_spare(command: Sequence[str], log_dir: Path, on_exit: Callable[[Worker
     spare_dir.mkdir(parents=True, exist_ok=True)
     log_path = spare_dir / f"spare-{time.time_ns()}.log"
     proc = _spawn(command, env, log_path, cwd)
+    if nice > 0:
+        try:
+            os.setpriority(os.PRIO_PGRP, proc.pid, nice)  # its own session: the group is its pid
+            _set_autogroup_nice(proc.pid, nice)
+        except OSError as exc:
+            log.warning("cannot lower the priority of spare pid %d: %s", proc.pid, exc)
     final = spare_dir / f"spare-{proc.pid}.log"
     try:
         log_path.rename(final)  # the open file follows the rename
@@ -255,6 +305,7 @@ def start_spare(command: Sequence[str], log_dir: Path, on_exit: Callable[[Worker
     except OSError:
         pass
     worker = Worker(-1, -1, proc, log_path, spare=True, on_exit=on_exit, oom_before=_oom_kills())
+    worker.niced = nice > 0
     worker.watch()
     log.info("started a warm spare (pid %d), log %s", proc.pid, log_path)
     return worker

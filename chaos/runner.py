@@ -38,6 +38,8 @@ APPLY_RETRY_S = 10.0  # a fault that cannot be applied is tried again (once a se
 AGENT_FAULTS = ("kill-agent", "restart-agent")  # the agent only: its workers train on
 RECOVER_AFTER = 4.0  # seconds until a killed daemon or etcd member is started again
 AGENT_RESTART_AFTER = 1.0  # a crashed agent is started again as its unit's RestartSec=1 would
+UNDO_TRIES, UNDO_RETRY_S = 5, 1.0  # a fault whose undo fails (its target unreachable) is undone again
+UNDO_CALL_S = 2.0  # the deadline of an undo's call to an agent: the runner waits on it
 AGENT_HANDOFF_AFTER = 0.2  # `systemctl restart`: the next agent starts as soon as the old one exited
 
 
@@ -52,6 +54,7 @@ class _Active:
     undone_at: float | None = None
     moot: bool = False  # the fault changed nothing the system could see (no save while the disk was full)
     at_step: int | None = None  # nan-loss, loss-spike: the step whose loss it replaces
+    undo_tries: int = 0
 
 
 class Runner:
@@ -263,7 +266,8 @@ class _Run:
             reply = c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(
                 kind=agent_pb2.FAULT_GPU_XID, device=a.spec.rank, code=a.spec.code))
             a.undo_at = a.record.injected_at + RECOVER_AFTER + 4
-            a.undo = lambda: c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR))
+            a.undo = lambda: c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR),
+                                          timeout=UNDO_CALL_S)
             return reply.detail  # type: ignore[attr-defined, no-any-return]
         if kind == "kill-agent":
             c.kill_agent(target)
@@ -331,7 +335,8 @@ class _Run:
             if not reply.applied:  # type: ignore[attr-defined]
                 raise RuntimeError(reply.detail)  # type: ignore[attr-defined]
             a.undo_at = a.record.injected_at + a.spec.duration
-            a.undo = lambda: c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR))
+            a.undo = lambda: c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=agent_pb2.FAULT_CLEAR),
+                                          timeout=UNDO_CALL_S)
             return f"{reply.detail} for {a.spec.duration:g} s"  # type: ignore[attr-defined]
         if kind == "network-cut":
             net = c.net
@@ -383,18 +388,35 @@ class _Run:
         self.corrupted[step] = self.now()
         return step
 
+    def _cut_off(self, target: str, fault: _Active) -> bool:
+        """Whether another fault has ``target``'s link down just now (a call to its agent would
+        hang until its deadline, and the runner with it)."""
+        return any(a is not fault and a.record.kind == "network-cut" and a.record.target == target
+                   and a.undo is not None for a in self.faults)
+
     def _follow_faults(self) -> None:
         now = self.now()
         current = self.rounds[-1] if self.rounds else None
         for a in self.faults:
             r = a.record
-            if a.undo is not None and a.undo_at is not None and now >= a.undo_at:
+            if a.undo is not None and a.undo_at is not None and now >= a.undo_at and self._cut_off(r.target, a):
+                a.undo_at = now + UNDO_RETRY_S  # its agent is behind a cut link: undo it once the link is back
+            elif a.undo is not None and a.undo_at is not None and now >= a.undo_at:
                 undo, a.undo = a.undo, None
                 a.undone_at = now
                 try:
                     undo()
                 except Exception as exc:
-                    self.notes.append(f"could not undo {r.kind} on {r.target}: {exc}")
+                    a.undo_tries += 1
+                    if a.undo_tries < UNDO_TRIES:
+                        # Its target may be behind another fault for a moment (an agent behind a
+                        # cut link cannot be told to clear a GPU fault): try again shortly.
+                        a.undo, a.undo_at = undo, now + UNDO_RETRY_S
+                        self.progress(f"! undoing {r.kind} on {r.target} failed ({type(exc).__name__}); "
+                                      f"trying again in {UNDO_RETRY_S:g} s")
+                    else:
+                        self.notes.append(f"could not undo {r.kind} on {r.target} in {UNDO_TRIES} tries: "
+                                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
             if r.kind == "fill-disk":
                 # The job does not stop for a full disk: it trains on and its saves fail. Detected
                 # when the trainer reports a failed save; resumed at the first commit once freed.

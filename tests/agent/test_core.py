@@ -104,6 +104,9 @@ def test_spares_wait_for_the_rounds_first_step_unless_the_node_needs_them_now() 
     assert not spares_may_start(warming=False, replacing=False, workers=0, stepped=0)  # before the first round
     assert spares_may_start(warming=True, replacing=False, workers=2, stepped=0)
     assert spares_may_start(warming=False, replacing=True, workers=2, stepped=0)
+    # niced spares take only what the workers leave: they start with the round's workers
+    assert spares_may_start(warming=False, replacing=False, workers=2, stepped=0, niced=True)
+    assert not spares_may_start(warming=False, replacing=False, workers=0, stepped=0, niced=True)
 
 
 def test_lost_time_before_a_step_by_cause() -> None:

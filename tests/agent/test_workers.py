@@ -119,3 +119,40 @@ time.sleep(120)
                 os.killpg(pid, signal.SIGKILL)
         if agent.poll() is None:
             agent.kill()
+
+
+@pytest.mark.skipif(not __import__("stalwart.agent.workers", fromlist=["x"]).can_restore_priority(),
+                    reason="giving a priority back needs root or RLIMIT_NICE >= 20")
+def test_a_spare_warms_niced_and_taking_it_gives_every_thread_and_child_the_workers_priority_back(
+        tmp_path: Path) -> None:
+    """A spare niced while it warms (it starts with the round's workers, taking only the CPU they
+    leave) must not stay niced as a rank: the world would wait on it every step. Its threads and
+    children (a compiler DeepSpeed runs, say) are niced and given it back too."""
+    from stalwart.agent.spares import SparePool
+    from stalwart.agent.workers import start_spare
+
+    ready = tmp_path / "ready"
+    code = ("import subprocess, sys, threading, time; "
+            "threading.Thread(target=time.sleep, args=(120,), daemon=True).start(); "
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(ready)!r}, 'w').write(str(child.pid)); time.sleep(120)")
+    pool = SparePool(1, lambda: start_spare([sys.executable, "-c", code], tmp_path, print, nice=10))
+    (spare,) = pool.maintain()
+    try:
+        wait_for(lambda: ready.exists() and ready.read_text() != "", 60, "the spare's thread and child")
+        proc = psutil.Process(spare.pid)
+        family = [proc, psutil.Process(int(ready.read_text()))]
+        tids = lambda: [(p.pid, t.id) for p in family for t in p.threads()]  # noqa: E731
+        assert len(tids()) >= 3
+        assert {os.getpriority(os.PRIO_PROCESS, tid) for _, tid in tids()} == {10}
+        autogroup = Path(f"/proc/{spare.pid}/autogroup")  # its session's share (see _set_autogroup_nice)
+        assert not autogroup.exists() or autogroup.read_text().split()[-1] == "10", autogroup.read_text()
+        pool.ready(spare.pid)
+        pool.warm(spare.pid)
+        taken = pool.take()
+        assert taken is spare
+        assert {os.getpriority(os.PRIO_PROCESS, tid) for _, tid in tids()} == {0}
+        assert not autogroup.exists() or autogroup.read_text().split()[-1] == "0", autogroup.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(spare.pid, signal.SIGKILL)
