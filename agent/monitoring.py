@@ -65,6 +65,7 @@ class MonitoringMixin:
     if TYPE_CHECKING:  # ... and the methods it calls that node.py or another part defines
         def _check_reforms(self, now: float) -> None: ...
         def _record_checkpoints(self) -> None: ...
+        def _replace_out_of_world(self, rank: int, round_number: int, could_reform: bool, what: str) -> None: ...
 
     def _peer_loop(self) -> None:
         """Peer probes on a thread of their own: a slow peer must not delay stall detection."""
@@ -101,6 +102,13 @@ class MonitoringMixin:
                         f"rank {stall.rank}: no step for {stall.silent_for:.1f} s (timeout {stall.timeout:.1f} s)"
                         + ("" if stopped else ", process running"),
                         group.assignment.round if group is not None else 0))
+                    if stopped and group is not None:
+                        # It will be replaced: with no warm spare, the same round that drops it
+                        # leaves this node out while one warms (one round, not a second one for
+                        # the node to fail when it finds no spare).
+                        pid = next((w.pid for w in group.workers if w.rank == stall.rank), None)
+                        self._replace_out_of_world(stall.rank, group.assignment.round,
+                                                   pid in self._state.can_reform, "stopped")
                 if not stopped:
                     self._check_ring_once()
             try:

@@ -170,16 +170,21 @@ class ReplacingMixin:
         while spares warm up, so the other ranks need not wait for a cold process. Only for
         workers that re-form in place (the survivors then re-form instead of restarting).
         Caller holds the lock."""
+        if exit_.kind in (ExitKind.SIGNAL, ExitKind.OOM_KILLED, ExitKind.USER_ERROR):
+            self._replace_out_of_world(exit_.rank, exit_.round, could_reform, "lost")
+
+    def _replace_out_of_world(self, rank: int, round_number: int, could_reform: bool, what: str) -> None:
+        """Ask to leave the world while spares warm (see :meth:`_start_replacing`) for a worker
+        that is lost (``what``: "lost", "stopped"). Caller holds the lock."""
         if not (self.config.reform_in_place and could_reform and not self.spare_pool.disabled
-                and exit_.kind in (ExitKind.SIGNAL, ExitKind.OOM_KILLED, ExitKind.USER_ERROR)
                 and self._state.replacing_since is None):
             return
         if any(s.warm for s in self.spare_pool.status()):
             return  # a warm spare takes the rank in the next round
         self._state.replacing_since = time.monotonic()
         self.spare_pool.wanted = max(self.spare_pool.wanted, self.config.workers)
-        log.info("agent %s: rank %d lost with no warm spare ready: replacing it out of the world", self.config.node_id,
-                 exit_.rank, extra={"node": self.config.node_id, "rank": exit_.rank, "round": exit_.round})
+        log.info("agent %s: rank %d %s with no warm spare ready: replacing it out of the world", self.config.node_id,
+                 rank, what, extra={"node": self.config.node_id, "rank": rank, "round": round_number})
         self._commands.put(("call", lambda: None))  # wake the main loop to start spares
 
     def _spare_exited(self, exit_: WorkerExit) -> None:

@@ -403,3 +403,36 @@ def test_a_node_that_registers_again_after_the_world_moved_on_asks_to_warm_befor
     ready = [m for m in (r.getMessage() for r in caplog.records) if "ready to join: " in m and "not ready" not in m]
     assert all("warm spare(s) ready" in line for line in ready), ready
     assert agent.status().round == 3 and not _workers(agent, 1)
+
+
+def test_a_stopped_worker_with_no_warm_spare_asks_to_leave_the_world_as_soon_as_it_is_found_stalled(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGSTOPped worker is replaced; with no warm spare its node says ``replacing`` in the same
+    health record that reports the stall, so the daemon's next round leaves the node out while a
+    spare warms. Otherwise the daemon would keep the node in that round, the node would fail it
+    for want of a spare, and the survivors would re-form twice (the demo's hang cost two rounds)."""
+    job = _job("stopped")
+    keys = JobKeys(job)
+    monkeypatch.setenv("EVENTS", str(tmp_path / "events"))
+    monkeypatch.setenv("WARM_DELAY", "120")  # the spare is not warm within the test
+    agent = start_agent(_config(etcd_server, tmp_path, job, spares=1, stall_floor=1.0, stall_factor=3.0))
+    _open_round(etcd_client, keys, 1, ["n0"], 29571)
+    wait_for(lambda: len(_workers(agent, 1, min_step=3)) == 2, 30, "both ranks stepping")
+    workers = _workers(agent, 1, min_step=3)
+    assert len(workers) == 2
+
+    def health() -> records_pb2.HealthRecord | None:
+        kv = etcd_client.get(keys.health("n0"))
+        return records_pb2.HealthRecord.FromString(kv.value) if kv is not None else None
+
+    record = health()
+    assert record is not None and not record.replacing
+    os.kill(workers[1], signal.SIGSTOP)
+    try:
+        wait_for(lambda: (h := health()) is not None and h.replacing, 30,
+                 "the node asking to leave the world while a spare warms")
+        record = health()
+        assert record is not None and any("no step for" in f.detail for f in record.findings), record
+    finally:
+        os.kill(workers[1], signal.SIGCONT)
