@@ -68,6 +68,12 @@ class _EngineRecipe:
     ds_kwargs: dict[str, Any]
     optimizer: _OptimizerRecipe | None
     unsupported: str | None = None
+    skeleton: torch.nn.Module | None = None
+    """ZeRO-3 only: the model's structure on the meta device. ZeRO-3 partitions the module's own
+    parameters (each rank keeps its slice), so a module of the old world cannot be handed to an
+    engine of another: each build after the first wraps a new module made from this one (its
+    weights are what the restore loads next; its buffers are copied from the module before)."""
+    builds: int = 0
 
     @classmethod
     def capture(cls, model: torch.nn.Module, ds_config: dict[str, Any], ds_kwargs: dict[str, Any]) -> _EngineRecipe:
@@ -88,7 +94,16 @@ class _EngineRecipe:
             # that drives anything else cannot follow the engine to another world.
             unsupported = ("an lr_scheduler instance must drive the torch optimizer instance passed with it "
                            "(or pass a callable(optimizer))")
-        return cls(model, copy.deepcopy(ds_config), kwargs, recipe, unsupported)
+        skeleton = None
+        if int((ds_config.get("zero_optimization") or {}).get("stage", 0)) == 3 and unsupported is None:
+            if any(hasattr(p, "ds_id") for p in model.parameters()):
+                unsupported = "a ZeRO-3 model built under deepspeed.zero.Init cannot be rebuilt for another world"
+            else:
+                try:
+                    skeleton = copy.deepcopy(model).to("meta")
+                except Exception as exc:  # noqa: BLE001 - a module that cannot be copied
+                    unsupported = f"a ZeRO-3 model must be copyable to be rebuilt for another world ({exc})"
+        return cls(model, copy.deepcopy(ds_config), kwargs, recipe, unsupported, skeleton)
 
     def build(self, config: TrainerConfig, world: int) -> Any:
         import deepspeed
@@ -100,6 +115,9 @@ class _EngineRecipe:
                 raise ValueError(f"ds_config[{key!r}] = {self.ds_config[key]} disagrees with TrainerConfig ({value})")
         ds_config = {**copy.deepcopy(self.ds_config), **wanted, "gradient_accumulation_steps": gas}
         kwargs = dict(self.ds_kwargs)
+        if self.skeleton is not None and self.builds > 0:
+            self.model = _rebuilt(self.skeleton, self.model)
+        self.builds += 1
         if self.optimizer is not None:
             kwargs["optimizer"] = self.optimizer.build(self.model)
             sched = kwargs.get("lr_scheduler")
@@ -109,6 +127,18 @@ class _EngineRecipe:
                 sched.optimizer = kwargs["optimizer"]
         engine, *_ = deepspeed.initialize(model=self.model, config=ds_config, **kwargs)
         return engine
+
+
+def _rebuilt(skeleton: torch.nn.Module, before: torch.nn.Module) -> torch.nn.Module:
+    """A new module of ``skeleton``'s structure on the CPU (DeepSpeed moves it to the device and
+    partitions it): parameters uninitialized (the restore fills them), buffers those of
+    ``before`` (ZeRO-3 leaves buffers whole on every rank; the checkpoint may not hold them)."""
+    module = copy.deepcopy(skeleton).to_empty(device="cpu")
+    with torch.no_grad():
+        for (name, new), (old_name, old) in zip(module.named_buffers(), before.named_buffers(), strict=True):
+            assert name == old_name, (name, old_name)
+            new.copy_(old.detach().to("cpu"))
+    return module
 
 
 def _warm_up(recipe: _EngineRecipe, config: TrainerConfig, backend: str) -> None:

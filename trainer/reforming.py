@@ -107,8 +107,8 @@ class ReformingMixin:
             return "the engine was not built by Trainer.initialize, so it cannot be rebuilt"
         if self._recipe.unsupported:
             return f"cannot rebuild the engine: {self._recipe.unsupported}"
-        if self.state.stage == 3:
-            return "in-place re-form supports ZeRO stage 1 and 2 (stage 3 partitions the module itself)"
+        if self.state.stage == 3 and self._recipe.skeleton is None:
+            return "in-place re-form of ZeRO-3 needs the model's structure, which was not kept"
         return None
 
     def _take_reform(self) -> ReformSpec | None:

@@ -221,8 +221,9 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
         if spare:
             if agent is None:
                 agent = AgentClient(rank=0)
-            # ZeRO-3 would partition the model for a world of one
-            warm = int((ds_config.get("zero_optimization") or {}).get("stage", 0)) != 3
+            # A ZeRO-3 warm-up partitions the model for a world of one: only where the next build
+            # makes a new module from the model's structure (the recipe's skeleton)
+            warm = int((ds_config.get("zero_optimization") or {}).get("stage", 0)) != 3 or recipe.skeleton is not None
             spec, engine = join_as_spare(agent, assignment, recipe, config, backend, warm=warm)
         elif not dist.is_initialized():
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_PORT" not in os.environ:
@@ -233,7 +234,8 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
                 )
             else:
                 spec = ReformSpec.from_env()
-                if spec.round > 1 and int((ds_config.get("zero_optimization") or {}).get("stage", 0)) != 3:
+                stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+                if spec.round > 1 and (stage != 3 or recipe.skeleton is not None):
                     # A new process in a running job (a lost rank with no warm spare): pay the first
                     # engine build on its own, so the peers it joins wait for it in the arrival
                     # roster, which has no deadline, and not in the collectives after it, which do.

@@ -26,7 +26,7 @@ def jobs() -> list[Harness]:
         h.close()
 
 
-@pytest.mark.parametrize("stage", [1, 2], ids=["z1", "z2"])
+@pytest.mark.parametrize("stage", [1, 2, 3], ids=["z1", "z2", "z3"])
 def test_a_lost_node_is_restored_from_peer_memory_without_reading_storage(
         ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness], stage: int) -> None:
     job = Harness(tmp_path, ds_env)

@@ -121,7 +121,8 @@ def jobs() -> Iterator[list[Harness]]:
             h.close()
 
 
-def restart_reference(jobs: list[Harness], src: Harness, env: dict[str, str], tmp_path: Path) -> Harness:
+def restart_reference(jobs: list[Harness], src: Harness, env: dict[str, str], tmp_path: Path,
+                      extra: tuple[str, ...] = ()) -> Harness:
     """A run freshly started at world 2 from ``src``'s checkpoint of step RESTORED."""
     ref = Harness(tmp_path, env, "reference")
     jobs.append(ref)
@@ -129,7 +130,7 @@ def restart_reference(jobs: list[Harness], src: Harness, env: dict[str, str], tm
     shutil.copytree(src.ckpt / name, ref.ckpt / name)
     port = free_port()
     for r in range(2):
-        ref.start(f"r{r}", rank=r, world=2, port=port)
+        ref.start(f"r{r}", rank=r, world=2, port=port, extra=extra)
     ref.wait([f"r{r}" for r in range(2)])
     return ref
 
@@ -201,14 +202,19 @@ def test_survivors_reform_from_3_to_2_in_place_and_match_a_restart_bitwise(
     assert_same_as_restart(job, "w0", ref)
 
 
+@pytest.mark.parametrize("stage", [1, 3], ids=["z1", "z3"])
 def test_a_warm_spare_takes_the_dead_rank_2_to_2_and_matches_a_restart_bitwise(
-        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness]) -> None:
+        ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness], stage: int) -> None:
+    """ZeRO-3 too: the spare warms up on a world of one and the survivor re-forms in place, each
+    building its next engine on a module rebuilt from the model's structure."""
     job = Harness(tmp_path, ds_env)
     jobs.append(job)
     port = free_port()
-    job.start("spare", rank=None, world=2, port=port, spare=True)  # imports, builds its model, waits
+    zero = ("--zero-stage", str(stage))
+    job.start("spare", rank=None, world=2, port=port, spare=True, extra=zero)  # imports, builds its model, waits
     for r in range(2):
-        job.start(f"w{r}", rank=r, world=2, port=port, extra=("--kill-at-step", str(KILL_AT)) if r == 1 else ())
+        job.start(f"w{r}", rank=r, world=2, port=port,
+                  extra=(*zero, "--kill-at-step", str(KILL_AT)) if r == 1 else zero)
     killed = job.wait_marker("w1", "killed")
     job.procs["w1"].wait(timeout=30)
     # The same master port again: w0, rank 0 before and after, reuses the store it hosts there
@@ -220,8 +226,8 @@ def test_a_warm_spare_takes_the_dead_rank_2_to_2_and_matches_a_restart_bitwise(
         assert "error" not in res, (name, res["error"], job.logs())
         assert res["step"] == STEPS
     assert results["w0"]["reforms"][0]["restored_step"] == RESTORED and results["spare"]["rank"] == 1
-    print_timings("2->2 spare", killed["time"], results)
-    ref = restart_reference(jobs, job, ds_env, tmp_path)
+    print_timings(f"2->2 spare, ZeRO-{stage}", killed["time"], results)
+    ref = restart_reference(jobs, job, ds_env, tmp_path, extra=zero)
     assert_same_as_restart(job, "w0", ref)
 
 
