@@ -456,7 +456,10 @@ def main() -> int:
     parser.add_argument("--throttle-mbps", type=float, default=1.0,
                         help="faults suite: restore reads from storage per rank in the throttled kill-node cases")
     parser.add_argument("--keep", default=None, help="faults suite: run in this folder and keep it (logs, records)")
+    parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=JOB["zero_stage"],
+                        help="faults suite: the job's ZeRO stage")
     args = parser.parse_args()
+    JOB["zero_stage"] = args.zero_stage
     # SIGTERM unwinds like Ctrl-C, so every trial's processes are torn down by its ``finally``.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.suite == "faults":
