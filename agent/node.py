@@ -64,7 +64,7 @@ from stalwart.proto import records_pb2
 from stalwart.proto.contract import ENV_NODE, ENV_SOCKET
 
 log = logging.getLogger(__name__)
-ADOPTED_SPARE_WAIT_S = 3.0  # a restarted agent waits this long at most for its adopted spares and workers to reconnect
+ADOPTED_WAIT_S = 3.0  # a restarted agent waits this long at most for its adopted spares and workers to reconnect
 
 
 class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, AgentApiMixin):
@@ -141,8 +141,7 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
         self._catch_up_round()  # whether this node may join warm, before it registers
         self._register(resume=self._adopt())
         self._save_state()
-        self._await_adopted_spares(ADOPTED_SPARE_WAIT_S)
-        self._await_adopted_workers(ADOPTED_SPARE_WAIT_S)
+        self._await_adopted(ADOPTED_WAIT_S)
         for exit_ in self._lost_while_away:
             self._worker_exited(exit_)
         self._watch = self._read_and_watch_round()

@@ -133,35 +133,24 @@ class SuccessionMixin:
             log.info("agent %s: adopted %d of %d spare(s) from the agent before", self.config.node_id, adopted,
                      len(saved.spares), extra={"node": self.config.node_id})
 
-    def _await_adopted_spares(self, timeout: float) -> None:
-        """Give adopted spares a moment to reconnect before the first round is applied: a rank
-        to fill would otherwise go to a cold new process while a warm spare is seconds away."""
-        deadline = time.monotonic() + timeout
-        while True:  # only for those that were warm: one still warming up connects when it can
-            waiting = [s.pid for s in self.spare_pool.status() if not s.ready and s.pid in self._adopted_warm]
-            if not waiting:
-                return
-            if time.monotonic() > deadline:
-                log.warning("agent %s: adopted spare(s) %s did not reconnect within %.1f s", self.config.node_id,
-                            waiting, timeout, extra={"node": self.config.node_id})
-                return
-            time.sleep(0.02)
-
-    def _await_adopted_workers(self, timeout: float) -> None:
-        """Give adopted workers a moment to reconnect before rounds are applied: a round that
-        comes while one is still reconnecting would find it "not connected" and stop it, and its
-        node would leave the world to warm a replacement for a worker that trained on all along."""
+    def _await_adopted(self, timeout: float) -> None:
+        """Give adopted spares and workers a moment to reconnect before rounds are applied. A rank
+        to fill would otherwise go to a cold new process while a warm spare is seconds away, and a
+        round that comes while a worker is still reconnecting would find it "not connected" and
+        stop it (its node would leave the world to warm a replacement for a worker that trained on
+        all along). Spares only if they were warm: one still warming up connects when it can."""
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
                 group = self._state.group
-                adopted = [w for w in (group.workers if group is not None else []) if w.running]
+                workers = [w for w in (group.workers if group is not None else []) if w.running]
             connected = self.channels.connected()
-            waiting = [w.pid for w in adopted if connected.get(w.local_rank) != w.pid]
+            waiting = [s.pid for s in self.spare_pool.status() if not s.ready and s.pid in self._adopted_warm]
+            waiting += [w.pid for w in workers if connected.get(w.local_rank) != w.pid]
             if not waiting:
                 return
             if time.monotonic() > deadline:
-                log.warning("agent %s: adopted worker(s) %s did not reconnect within %.1f s", self.config.node_id,
+                log.warning("agent %s: adopted process(es) %s did not reconnect within %.1f s", self.config.node_id,
                             waiting, timeout, extra={"node": self.config.node_id})
                 return
             time.sleep(0.02)

@@ -185,7 +185,8 @@ class JoinSuperseded(Exception):
 def within_round(round_number: int, superseded: Callable[[], bool], form: Callable[[], Any]) -> Any:
     """Run ``form()`` (the rest of forming a joined world: building the engine, whose DeepSpeed
     groups rendezvous on the store like the join, and restoring, whose collectives wait on every
-    peer) under the same breaker as :func:`join_world`, and return what it returns.
+    peer) under the breaker that :func:`join_world` runs its join under, and return what it
+    returns.
 
     Why: a world can be superseded after its join finished, while it builds its engine, and a
     peer of it that died or hung meanwhile would hold the others in ``new_group`` or in the
@@ -244,11 +245,7 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
     # failed (a broken or superseded join) left it at 1, and this rank's rendezvous keys would then
     # never meet those of a peer on its first join (gloo waits out its timeout).
     c10d._world.group_count = 0
-    # From here on a join superseded for a moment is broken (see _JoinBreaker), wherever it
-    # blocks: a store call to a host behind a cut link waits for TCP, gloo's rendezvous for its
-    # timeout, neither of them for a newer round.
-    breaker = _JoinBreaker(superseded, hosted=_hosted_stores)
-    try:
+    def join() -> None:
         if spec.rank == 0 and spec.master_port not in _hosted_stores:
             _hosted_stores[spec.master_port] = _host_store(spec, join_timeout_s, superseded)
         # A client of its own for every join, rank 0's too: a join that has to be broken cuts its
@@ -266,17 +263,16 @@ def join_world(spec: ReformSpec, *, backend: str, collective_timeout_s: float, j
             deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False)
         finally:
             ds_torch.build_shm_op = build
+
+    # A join superseded for a moment is broken (see _JoinBreaker), wherever it blocks: a store
+    # call to a host behind a cut link waits for TCP, gloo's rendezvous for its timeout, neither
+    # of them for a newer round.
+    try:
+        within_round(spec.round, superseded, join)
     except JoinSuperseded:
-        raise
-    except Exception:
-        if not breaker.fired:
-            raise
-    finally:
-        breaker.stop()
-    if breaker.fired:
         if dist.is_initialized():  # it formed after all, as the cut came: leave it
             leave_world()
-        raise JoinSuperseded(spec.round)
+        raise
 
 
 class _JoinBreaker:

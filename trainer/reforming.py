@@ -195,12 +195,7 @@ class ReformingMixin:
                     # Superseded after its join, while it built its engine or restored (a peer of
                     # it lost meanwhile would hold this rank there): on to the newer round.
                     self._drop_partial_world()  # _attach took the engine first, if it was built
-                    newer = self._take_reform()
-                    assert newer is not None
-                    log.warning("rank %d: round %d superseded while it formed; joining round %d as rank %d of %d",
-                                spec.rank, spec.round, newer.round, newer.rank, newer.world_size)
-                    self._check_world(newer)
-                    spec = newer
+                    spec = self._superseded_by_newer(spec, "it formed")
                 except (ReformFailed, TrainerError):
                     raise
                 except Exception as exc:
@@ -264,12 +259,16 @@ class ReformingMixin:
                            on_wait=(lambda n, w, r=spec.round: joining(r, n, w)) if callable(joining) else None)
                 return spec
             except JoinSuperseded:
-                newer = self._take_reform()
-                assert newer is not None
-                log.warning("rank %d: round %d superseded while joining; joining round %d as rank %d of %d",
-                            spec.rank, spec.round, newer.round, newer.rank, newer.world_size)
-                self._check_world(newer)
-                spec = newer
+                spec = self._superseded_by_newer(spec, "joining")
+
+    def _superseded_by_newer(self, spec: ReformSpec, while_: str) -> ReformSpec:
+        """The newer round's spec that superseded ``spec`` (its Reform is waiting)."""
+        newer = self._take_reform()
+        assert newer is not None
+        log.warning("rank %d: round %d superseded while %s; joining round %d as rank %d of %d",
+                    spec.rank, spec.round, while_, newer.round, newer.rank, newer.world_size)
+        self._check_world(newer)
+        return newer
 
     def _drop_partial_world(self) -> None:
         """Leave a world that broke while it formed (nothing of it was trained on); never raises."""
