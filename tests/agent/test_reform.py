@@ -36,7 +36,8 @@ def _config(etcd: LocalEtcd, tmp_path: Path, job: str, **kw: object) -> AgentCon
         job=job, node_id="n0", command=(sys.executable, WORKER), workers=2, insecure=True,
         etcd=etcd.client_config(), state_dir=str(tmp_path / "state"), lease_ttl=2, probe="fake",
         probe_interval=0.2, fault_injection=True, stall_floor=5.0, stall_factor=10.0, stall_first_step=60.0,
-        stop_grace=2.0, progress_interval=0.5, peer_probe_interval=5.0, reform_timeout=10.0)
+        stop_grace=2.0, progress_interval=0.5, peer_probe_interval=5.0, reform_timeout=10.0,
+        spare_nice=0)  # spares at the workers' priority: a loaded test machine would starve niced ones
     settings.update(kw)
     return AgentConfig(**settings)  # type: ignore[arg-type]
 
