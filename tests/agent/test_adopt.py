@@ -119,8 +119,10 @@ def test_workers_of_a_round_that_went_on_without_the_node_are_stopped_by_the_nex
     try:
         wait_for(lambda: all(process_start_time(pid) is None for pid in pids), 20,
                  "the stale round's workers stopped")
-        assert second.status().round == 2 and not [w for w in second.status().workers
-                                                     if w.state == agent_pb2.WORKER_RUNNING]
+        # The agent takes the round as its own once the stop has returned, a moment after the
+        # processes are gone.
+        wait_for(lambda: second.status().round == 2, 20, "the agent on round 2")
+        assert not [w for w in second.status().workers if w.state == agent_pb2.WORKER_RUNNING]
     finally:
         second.shutdown()
         runner.join(15)
