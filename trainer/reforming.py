@@ -73,16 +73,17 @@ class ReformingMixin:
         log.warning("rank %d round %d step %d: Reform to rank %d of %d in round %d", self.rank, self.round,
                     self.step, spec.rank, spec.world_size, spec.round)
         abort = _abort_all_groups if backend_for_device() == "nccl" else _cut_old_world
-        threading.Thread(target=self._abort_if_stuck, args=(leaves, abort), daemon=True,
+        threading.Thread(target=self._abort_if_stuck, args=(leaves, abort, spec.round), daemon=True,
                          name="stalwart-stuck-abort").start()
 
-    def _abort_if_stuck(self, leaves: int, abort: Callable[[], object]) -> bool:
+    def _abort_if_stuck(self, leaves: int, abort: Callable[[], object], target: int) -> bool:
         """After a Reform: if this rank's current step runs ``abort_stuck_after_s`` without the
         rank beginning to leave the old world (``leaves`` unchanged), its main thread is stuck in a
         collective on a lost peer: ``abort`` the old world (NCCL: every process group; gloo: its
         connections) so that the collective raises and :meth:`train` re-forms. A rank already
-        re-forming is left alone: its join gives way to a newer round by itself. Returns whether
-        it aborted."""
+        re-forming is left alone: its join gives way to a newer round by itself; so is one that is
+        in the Reform's round ``target`` already (a join superseded by it went on to it within the
+        same leave, and the world left behind is that round's). Returns whether it aborted."""
         wait = self.config.abort_stuck_after_s
         if wait is None:
             wait = max(1.0, 3.0 * self._last_step_time)
@@ -90,7 +91,7 @@ class ReformingMixin:
         if remaining > 0 and self._left_world.wait(remaining) and self._leaves != leaves:
             return False
         with self._reform_lock:  # held while aborting: the main thread cannot begin a join meanwhile
-            if self._leaves != leaves or self._reforming:
+            if self._leaves != leaves or self._reforming or self.round >= target:
                 return False
             log.error("rank %d round %d step %d: stuck in its step %.1f s, past %.1f s, after a Reform: "
                       "aborting the old world", self.rank, self.round, self.step,

@@ -165,17 +165,19 @@ def start_three(jobs: list[Harness], env: dict[str, str], tmp_path: Path, collec
 
 
 def print_timings(what: str, kill_time: float, results: dict[str, dict[str, Any]]) -> None:
+    def since(t: dict[str, Any], key: str) -> float:  # nan for a moment not reached (a failed run)
+        return t[key] - kill_time if t.get(key) is not None else float("nan")
+
     for name, res in sorted(results.items()):
         for t in res.get("reforms", []):
-            seen = t["error_seen_at"]
             print(f"[{what}] {name} round {t['round']} rank {t['rank']}/{t['world_size']}: "
-                  f"error seen +{(seen - kill_time) if seen else float('nan'):.3f}s, "
-                  f"re-form began +{t['started_at'] - kill_time:.3f}s, "
-                  f"old world left +{t['left_at'] - kill_time:.3f}s, "
-                  f"group up +{t['group_up_at'] - kill_time:.3f}s, "
-                  f"engine rebuilt +{t['engine_built_at'] - kill_time:.3f}s, "
-                  f"state restored +{t['restored_at'] - kill_time:.3f}s, "
-                  f"first step +{t['first_step_at'] - kill_time:.3f}s; "
+                  f"error seen +{since(t, 'error_seen_at'):.3f}s, "
+                  f"re-form began +{since(t, 'started_at'):.3f}s, "
+                  f"old world left +{since(t, 'left_at'):.3f}s, "
+                  f"group up +{since(t, 'group_up_at'):.3f}s, "
+                  f"engine rebuilt +{since(t, 'engine_built_at'):.3f}s, "
+                  f"state restored +{since(t, 'restored_at'):.3f}s, "
+                  f"first step +{since(t, 'first_step_at'):.3f}s; "
                   f"state from host memory {t['host_bytes']} B, from disk {t['disk_bytes']} B")
 
 

@@ -27,12 +27,12 @@ def _trainer(after: float | None, *, step_began: float = 0.0) -> Trainer:
 
 def test_a_rank_stuck_in_its_step_aborts_the_old_world() -> None:
     t, calls = _trainer(0.05), []
-    assert t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == ["abort"]
+    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == ["abort"]
 
 
 def test_a_step_already_past_the_limit_when_the_reform_comes_aborts_at_once() -> None:
     t, calls = _trainer(3600.0, step_began=7200.0), []  # stuck for two hours already: no wait
-    assert t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == ["abort"]
+    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == ["abort"]
 
 
 def test_a_rank_that_began_to_leave_in_time_does_not_abort() -> None:
@@ -45,19 +45,30 @@ def test_a_rank_that_began_to_leave_in_time_does_not_abort() -> None:
         t._left_world.set()
 
     threading.Thread(target=leave).start()
-    assert not t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == []  # returned: it left
+    assert not t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == []  # returned: it left
 
 
 def test_a_rank_already_reforming_is_left_to_its_join() -> None:
     t, calls = _trainer(0.01, step_began=1.0), []
     t._reforming = True  # the Reform came while it joins an earlier round: the join gives way itself
-    assert not t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == []
+    assert not t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == []
+
+
+def test_a_rank_that_reached_the_reforms_round_within_its_leave_does_not_abort() -> None:
+    """The Reform to round 2 came while the rank joined round 1; the join gave way and the rank
+    re-formed into round 2 without leaving again, just before the limit: the world it is in now
+    is round 2's, which must not be cut."""
+    t, calls = _trainer(0.01, step_began=1.0), []
+    t.round = 2
+    assert not t._abort_if_stuck(0, lambda: calls.append("abort"), 2) and calls == []
+    t.round = 1  # still in the world before the Reform's round: stuck there
+    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 2) and calls == ["abort"]
 
 
 def test_the_default_limit_follows_the_step_time() -> None:
     t, calls = _trainer(None, step_began=1.5), []
     t._last_step_time = 0.01  # 3 x 0.01 s is under the 1 s floor, which the step is past
-    assert t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == ["abort"]
+    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == ["abort"]
     t, calls = _trainer(None, step_began=1.5), []
     t._last_step_time = 3600.0  # a step this slow is not stuck at 1.5 s
 
@@ -68,4 +79,4 @@ def test_the_default_limit_follows_the_step_time() -> None:
         t._left_world.set()
 
     threading.Thread(target=leave).start()
-    assert not t._abort_if_stuck(0, lambda: calls.append("abort")) and calls == []
+    assert not t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == []
