@@ -139,6 +139,8 @@ def main() -> None:
             (out / f"{args.name}.{marker}").write_text(json.dumps({"time": time.time(), "step": s}))
             os.kill(os.getpid(), signal.SIGKILL if marker == "killed" else signal.SIGSTOP)
         if args.reform_at_step is not None and s + 1 == args.reform_at_step and not trainer.reforms:
+            # The checkpoint the new world resumes from: a Reform abandons a save still in flight.
+            trainer.checkpointer.wait()
             trainer.request_reform(ReformSpec(**json.loads(args.reform_spec)))
             (out / f"{args.name}.reform-requested").write_text(json.dumps({"time": time.time(), "step": s + 1}))
         if args.fail_at_step is not None and s + 1 == args.fail_at_step and not trainer.reforms:
