@@ -33,6 +33,7 @@ _EXPORTS = {
     "StepOutOfOrder": "errors",
     "TrainerError": "errors",
     "TrainingDiverged": "errors",
+    "guard_extension_builds": "jit_lock",
     "Fault": "health",
     "HealthConfig": "health",
     "HealthMonitor": "health",

@@ -68,6 +68,7 @@ from stalwart.trainer.config import ReformTimings, RestoreInfo, TrainerConfig
 from stalwart.trainer.engine import _check_engine, _EngineRecipe, _grad_norm, _warm_up, backend_for_device
 from stalwart.trainer.errors import StepOutOfOrder, UnsupportedConfig
 from stalwart.trainer.health import HealthMonitor, RollbackLedger
+from stalwart.trainer.jit_lock import guard_extension_builds
 from stalwart.trainer.peer import PeerFill, PeerReplicas
 from stalwart.trainer.record import StepRecorder
 from stalwart.trainer.reform import ReformSpec, is_collective_error, is_spare, join_world, peer_hosts, store_ports
@@ -215,6 +216,7 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
         import deepspeed
         import torch.distributed.distributed_c10d as c10d
 
+        guard_extension_builds()  # DeepSpeed's C++ ops load while the world forms: a dead builder must not block it
         recipe = _EngineRecipe.capture(model, ds_config, ds_kwargs)  # before DeepSpeed re-points the optimizer
         spare = is_spare()
         backend = backend_for_device()
