@@ -89,6 +89,9 @@ class RunReport:
     normal_step_s: float = 0.0
     bands: list[tuple[str, float, float]] = field(default_factory=list)  # (cause, start, end) of lost time
     restores: list[RestoreSource] = field(default_factory=list)
+    # Where the first world's start went (its rank 0's "startup" record): seconds by phase, the
+    # first from the run's start to the worker process's (cluster up, first round, spawn).
+    startup_phases: dict[str, float] = field(default_factory=dict)
 
     def account(self) -> None:
         """Charge the run's lost time to its faults and causes (``chaos/badput.py``)."""
@@ -177,6 +180,9 @@ def markdown(report: RunReport, picture: str | None) -> str:
         for cause, v in [("training", train), *report.badput.items()]:
             if v > 0 or cause == "training":
                 lines.append(f"| {cause} | {v:.2f} | {v / report.wall_s:.1%} |")
+    if report.startup_phases:
+        lines += ["", "Startup, to the first world's first step (its rank 0): " + ", ".join(
+            f"{name} {v:.2f} s" for name, v in report.startup_phases.items()) + "."]
     lines += ["", "| round | at s | world size | reason |", "|---|---|---|---|"]
     lines += [f"| {r.number} | {r.t:.2f} | {r.world_size} | {r.reason} |" for r in report.rounds]
     if report.restores:

@@ -563,6 +563,7 @@ class _Run:
                           int(e.get("world_host_bytes", 0)), int(e.get("world_peer_bytes", 0)),  # type: ignore[call-overload]
                           int(e.get("world_disk_bytes", 0)))  # type: ignore[call-overload]
             for e in self.events if e.get("event") == "restore" and int(e.get("step", 0)) > 0]  # type: ignore[call-overload]
+        report.startup_phases = self._startup_phases()
         skipped = skipped_samples(self.events)
         report.skipped_samples = sum(len(v) for v in skipped.values())
         report.checks["reached the last step"] = self._finished()
@@ -583,6 +584,15 @@ class _Run:
             losses = {k: v for k, v in losses.items() if k <= min(rolled)}
             self.notes.append(f"losses compared up to step {min(rolled)}, the first rollback")
         return _Result(report, losses)
+
+    def _startup_phases(self) -> dict[str, float]:
+        """The first world's start by phase (its rank 0's startup record; none: empty)."""
+        first = next((e for e in self.events if e.get("event") == "startup"), None)
+        if first is None:
+            return {}
+        spawned = float(first["timings"]["process_started_at"]) - self.t0  # type: ignore[index, call-overload]
+        return {"cluster up, first round, spawn": round(max(0.0, spawned), 3),
+                **{k: round(float(v), 3) for k, v in first["phases"].items()}}  # type: ignore[union-attr]
 
     def _losses_of_restores(self) -> tuple[int, int]:
         """Committed steps lost by restores (beyond the checkpoints corrupted on purpose), and

@@ -8,6 +8,8 @@ building them needs neither DeepSpeed nor a world.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +107,45 @@ class RestoreInfo:
     position: DataPosition
     saved_world_size: int
     skipped: list[tuple[int, str]] = field(default_factory=list)
+
+
+def process_started_at() -> float:
+    """When this process started (``time.time()`` scale), from ``/proc``; now where that cannot
+    be read (not Linux)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+@dataclass
+class StartupTimings:
+    """Where a process's time from its start to its first step went (``time.time()`` stamps):
+    ``process_started_at`` (from the kernel), ``initialize_at`` (``Trainer.initialize`` entered:
+    before it, the interpreter, the imports and the script's own set-up), ``world_at`` (the
+    process group formed: waiting for the other ranks is in it), ``engine_at``
+    (``deepspeed.initialize`` done), ``restored_at`` (the checkpoint loaded) and ``first_step_at``."""
+
+    process_started_at: float
+    initialize_at: float
+    world_at: float = 0.0
+    engine_at: float = 0.0
+    restored_at: float = 0.0
+    first_step_at: float | None = None
+
+    def phases(self) -> dict[str, float]:
+        """Seconds in each phase, named after what ends it."""
+        marks = [("imports", self.process_started_at, self.initialize_at), ("world", self.initialize_at, self.world_at),
+                 ("engine", self.world_at, self.engine_at), ("restore", self.engine_at, self.restored_at),
+                 ("first step", self.restored_at, self.first_step_at or self.restored_at)]
+        return {name: max(0.0, end - start) for name, start, end in marks}
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 @dataclass

@@ -15,6 +15,10 @@ Rank 0 appends one JSON line per event to a file (``TrainerConfig.record_path``)
   "windows": [{"epoch": e, "start": a, "end": b, "samples": [...]}, ...]}`` — training went back
   to checkpoint ``R`` in-process: recorded steps above ``R`` are dropped (as at a restore) and the
   listed samples are skipped for good (the next step is ``R + 1``, on the data after them);
+- ``{"event": "startup", "step": k, "timings": {...}, "phases": {"imports": s, "world": s, "engine": s,
+  "restore": s, "first step": s}}`` — the first step ``k`` of a process that started the job or
+  joined it cold (not a spare), and where its time from the process's start went
+  (``StartupTimings``);
 - ``{"event": "gave_up", "step": S, "reason": ..., "rollbacks": n, ...}`` — too many rollbacks:
   the job stopped (``TrainingDiverged``).
 

@@ -64,7 +64,7 @@ from stalwart.proto.contract import ENV_ROUND
 from stalwart.trainer.agent_client import AgentClient
 from stalwart.trainer.batching import DataPosition, GlobalBatchSampler, StepBatch, accumulation_steps
 from stalwart.trainer.client_state import ClientStates
-from stalwart.trainer.config import ReformTimings, RestoreInfo, TrainerConfig
+from stalwart.trainer.config import ReformTimings, RestoreInfo, StartupTimings, TrainerConfig, process_started_at
 from stalwart.trainer.engine import _check_engine, _EngineRecipe, _grad_norm, _warm_up, backend_for_device
 from stalwart.trainer.errors import StepOutOfOrder, UnsupportedConfig
 from stalwart.trainer.health import HealthMonitor, RollbackLedger
@@ -120,6 +120,7 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
         self._left_world = threading.Event()
         self._last_step_time = 0.0
         self._first_step_pending: ReformTimings | None = None
+        self._startup_pending: StartupTimings | None = None  # set by initialize, written at the first step
         self._restore_bytes = (0, 0)
         self._peer_fill = PeerFill()
         self.peers = PeerReplicas(config.peer) if config.peer.replicas > 0 else None
@@ -216,6 +217,7 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
         import deepspeed
         import torch.distributed.distributed_c10d as c10d
 
+        startup = StartupTimings(process_started_at(), time.time())
         guard_extension_builds()  # DeepSpeed's C++ ops load while the world forms: a dead builder must not block it
         recipe = _EngineRecipe.capture(model, ds_config, ds_kwargs)  # before DeepSpeed re-points the optimizer
         spare = is_spare()
@@ -245,10 +247,15 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
                 join_world(spec, backend=backend, collective_timeout_s=config.collective_timeout_s,
                            join_timeout_s=config.dist_timeout_s)
         if not spare:
+            startup.world_at = time.time()
             engine = recipe.build(config, dist.get_world_size())
+            startup.engine_at = time.time()
         trainer = cls(engine, config, agent=agent, _recipe=recipe, _required=spare)
         if spare:
             trainer._tell_agent(spec.local_rank)
+        else:  # a spare's start is its warm-up, long before a rank needs it
+            startup.restored_at = time.time()
+            trainer._startup_pending = startup
         return trainer
 
     # --- the loop ------------------------------------------------------------------------------
@@ -311,6 +318,17 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
             self._batch = self.sampler.next_batch(self.step + 1)
             yield self._batch
 
+    def _startup_done(self, startup: StartupTimings) -> None:
+        """The first step of this process: say where its start went (rank 0 writes the record)."""
+        self._startup_pending = None
+        startup.first_step_at = time.time()
+        phases = startup.phases()
+        log.info("rank %d round %d step %d: first step %.2fs after the process started (%s)", self.rank, self.round,
+                 self.step, startup.first_step_at - startup.process_started_at,
+                 ", ".join(f"{name} {s:.2f}s" for name, s in phases.items()))
+        self.recorder.write("startup", step=self.step, round=self.round, world_size=self.world_size,
+                            timings=startup.to_json(), phases=phases)
+
     def step_done(self, loss: float | torch.Tensor) -> float:
         """Close the step whose batch was handed out last; returns the mean loss over all ranks.
 
@@ -362,6 +380,8 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
                                 loss=mean_loss, grad_norm=agreed_norm, samples=list(batch.samples), **extra)
             self.health.accept(self.step, mean_loss, update_skipped=update_skipped)
             self.agent.step(self.step, step_time, mean_loss)
+        if self._startup_pending is not None:
+            self._startup_done(self._startup_pending)
         if self._first_step_pending is not None:
             timing, self._first_step_pending = self._first_step_pending, None
             timing.first_step_at = time.time()

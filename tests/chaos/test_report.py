@@ -29,12 +29,15 @@ def test_goodput_counts_each_committed_step_once_by_its_last_run() -> None:
 
 def test_files(tmp_path: Path) -> None:
     report = _run()
+    report.startup_phases = {"cluster up, first round, spawn": 1.5, "imports": 2.25, "world": 0.5}
     paths = write(report, tmp_path)
     data = json.loads(paths["json"].read_text())
     assert data["passed"] is True and data["faults"][0]["recovery_s"] == 3.5
     assert abs(data["faults"][0]["detection_s"] - 0.1) < 1e-9
     md = paths["markdown"].read_text()
     assert "PASSED" in md and "kill-worker" in md and "timeline.png" in md
+    assert "cluster up, first round, spawn 1.50 s, imports 2.25 s, world 0.50 s." in md
+    assert data["startup_phases"]["imports"] == 2.25
     assert paths["picture"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report.checks["no corrupt load"] = False
     assert not report.passed

@@ -58,6 +58,19 @@ def test_chain_resumed_where_the_checkpoints_were(chain: list[dict[str, Any]]) -
     assert restores == [(0, 0, 2), (4, 2, 2), (8, 2, 3)]
 
 
+def test_each_start_says_where_its_time_to_the_first_step_went(chain: list[dict[str, Any]]) -> None:
+    starts = [e for e in chain if e["event"] == "startup"]
+    assert [e["step"] for e in starts] == [1, 5, 9]  # each run's first step, after its restore
+    for e in starts:
+        t = e["timings"]
+        marks = [t[k] for k in ("process_started_at", "initialize_at", "world_at", "engine_at", "restored_at",
+                                "first_step_at")]
+        assert marks == sorted(marks), t
+        assert list(e["phases"]) == ["imports", "world", "engine", "restore", "first step"]
+        assert abs(sum(e["phases"].values()) - (marks[-1] - marks[0])) < 1e-6
+        assert marks[1] - marks[0] > 0.1  # the interpreter and torch's import at least: read from the kernel
+
+
 def test_loss_after_resume_at_the_same_world_size_is_bitwise_equal(reference: list[dict[str, Any]],
                                                                    chain: list[dict[str, Any]]) -> None:
     ref = _losses(reference)
