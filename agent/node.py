@@ -55,7 +55,7 @@ from stalwart.agent.succession import SuccessionMixin
 from stalwart.agent.throttle import Throttle
 from stalwart.agent.workers import WorkerExit
 from stalwart.coord.client import EtcdClient
-from stalwart.coord.errors import CoordError, EtcdUnavailable, LeaseLost
+from stalwart.coord.errors import CoordError, EtcdUnavailable
 from stalwart.coord.keys import JobKeys
 from stalwart.coord.lease import Lease
 from stalwart.coord.txn import Put
@@ -129,6 +129,7 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
         """Bind the servers, then register. With ``cancel``, an etcd that does not answer is
         waited for (a warning a try) until it does or ``cancel`` is set (returns False).
         Raises ``AgentConfigError``/``BindError`` (servers) or ``CoordError`` (etcd)."""
+        carried = self._carry_on_lease()  # first: it runs out while the rest of the start takes its time
         self._servers.append(start_progress_server(self.config.socket_path, self, self.channels))
         add_health = lambda server: health_pb2_grpc.add_HealthServicer_to_server(  # noqa: E731
             self._health_service, server)
@@ -137,9 +138,12 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.metrics_bind_host)
         if cancel is not None and not self._wait_for_etcd(cancel):
+            if carried is not None:
+                carried.stop()
             return False
         self._catch_up_round()  # whether this node may join warm, before it registers
-        self._register(resume=self._adopt())
+        self._adopt()
+        self._register(carried)
         self._save_state()
         self._await_adopted(ADOPTED_WAIT_S)
         for exit_ in self._lost_while_away:
@@ -167,19 +171,14 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
                 cancel.wait(1.0)
         return False
 
-    def _register(self, resume: int | None = None) -> None:
-        on_lost = lambda why: self._commands.put(("lease-lost", why))  # noqa: E731
-        lease: Lease | None = None
-        if resume is not None:
-            try:
-                lease = Lease(self.client, self.config.lease_ttl, on_lost=on_lost, resume=resume)
-                log.info("agent %s: carrying on lease %x of the agent before", self.config.node_id, resume,
-                         extra={"node": self.config.node_id})
-            except LeaseLost:
-                log.info("agent %s: the lease of the agent before has expired; registering anew",
-                         self.config.node_id, extra={"node": self.config.node_id})
-        if lease is None:
-            lease = Lease(self.client, self.config.lease_ttl, on_lost=on_lost)
+    def _on_lease_lost(self, why: str) -> None:
+        self._commands.put(("lease-lost", why))  # the main loop registers again
+
+    def _register(self, lease: Lease | None = None) -> None:
+        """Write the node and health records under ``lease`` (the one carried on from the agent
+        before), or under a new one."""
+        if lease is None or not lease.alive:
+            lease = Lease(self.client, self.config.lease_ttl, on_lost=self._on_lease_lost)
         record = records_pb2.NodeRecord(
             node_id=self.config.node_id, address=self.address, devices=self.config.workers,
             hostname=socket.gethostname(), registered_at=time.time(), cordoned=self._state.draining,

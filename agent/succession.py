@@ -34,6 +34,8 @@ from stalwart.agent.spares import SparePool
 from stalwart.agent.stall import StallDetector
 from stalwart.agent.state import NodeState
 from stalwart.agent.workers import ExitKind, RoundAssignment, Worker, WorkerExit, WorkerGroup
+from stalwart.coord.client import EtcdClient
+from stalwart.coord.errors import CoordError, LeaseLost
 from stalwart.coord.lease import Lease
 from stalwart.proto import records_pb2
 
@@ -45,6 +47,7 @@ class SuccessionMixin:
 
     # What it uses of NodeAgent (agent/node.py): attributes set in its __init__ ...
     config: AgentConfig
+    client: EtcdClient
     stalls: StallDetector
     metrics: AgentMetrics
     spare_pool: SparePool
@@ -63,21 +66,49 @@ class SuccessionMixin:
         def _worker_env(self) -> dict[str, str]: ...
         def _assignment(self, record: records_pb2.RoundRecord, m: records_pb2.RoundMember) -> RoundAssignment: ...
         def _spare_exited(self, exit_: WorkerExit) -> None: ...
+        def _on_lease_lost(self, why: str) -> None: ...
         def _worker_exited(self, exit_: WorkerExit) -> None: ...
 
-    def _adopt(self) -> int | None:
-        """Take over what the agent before left: its live workers of the round they train in, and
-        its lease id (returned; None without a state file). Workers that died while no agent
-        watched are reported as failed once registered (``_lost_while_away``)."""
+    def _carry_on_lease(self) -> Lease | None:
+        """Keep the lease of the agent before alive, the first thing a successor does: its node
+        record and health stay under that lease, so until this agent has bound its servers,
+        read the round and adopted the workers, nothing may let it expire (a successor started
+        1 s after a SIGKILL, on a busy node, found its 2 s lease gone, and the daemon dropped the
+        node from a round it was forming). None: no lease to carry on (no state file, or it
+        expired or etcd does not answer: the agent registers anew)."""
+        node = self.config.node_id
+        try:
+            saved = load_state(self._state_file, self.config.job, node)
+        except (StateFileError, OSError):
+            return None  # _adopt says why
+        if saved is None or not saved.lease_id:
+            return None
+        try:
+            lease = Lease(self.client, self.config.lease_ttl, on_lost=self._on_lease_lost, resume=saved.lease_id)
+        except LeaseLost:
+            log.info("agent %s: the lease of the agent before has expired; registering anew", node,
+                     extra={"node": node})
+            return None
+        except CoordError as exc:
+            log.warning("agent %s: cannot carry on the lease of the agent before (%s); registering anew", node, exc,
+                        extra={"node": node})
+            return None
+        log.info("agent %s: carrying on lease %x of the agent before", node, lease.id, extra={"node": node})
+        return lease
+
+    def _adopt(self) -> None:
+        """Take over what the agent before left: its live workers of the round they train in and
+        its spares (its lease: :meth:`_carry_on_lease`). Workers that died while no agent watched
+        are reported as failed once registered (``_lost_while_away``)."""
         node = self.config.node_id
         try:
             saved = load_state(self._state_file, self.config.job, node)
         except (StateFileError, OSError) as exc:
             log.warning("agent %s: ignoring the state file %s: %s", node, self._state_file, exc,
                         extra={"node": node})
-            return None
+            return
         if saved is None:
-            return None
+            return
         self._state.restarts = saved.restarts
         self._adopt_spares(saved)
         live = [e for e in saved.workers if alive_and_same(e)]
@@ -86,7 +117,7 @@ class SuccessionMixin:
         if record is None or record.closed or not mine:
             for e in live:
                 _kill_group(e.pid)
-            return saved.lease_id
+            return
         assignment = self._assignment(record, mine[0])
         group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
                             extra_env=self._worker_env(), cwd=self.config.cwd,
@@ -113,7 +144,6 @@ class SuccessionMixin:
         self.metrics.round.labels(node).set(record.number)
         log.info("agent %s: adopted %d worker(s) of round %d from the agent before (%d died meanwhile)", node,
                  len(live), record.number, len(self._lost_while_away), extra={"node": node, "round": record.number})
-        return saved.lease_id
 
     def _adopt_spares(self, saved: AgentState) -> None:
         """The warm spares the agent before left (they reconnect and say they are warm)."""

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,48 @@ def test_workers_of_a_round_that_went_on_without_the_node_are_stopped_by_the_nex
         # processes are gone.
         wait_for(lambda: second.status().round == 2, 20, "the agent on round 2")
         assert not [w for w in second.status().workers if w.state == agent_pb2.WORKER_RUNNING]
+    finally:
+        second.shutdown()
+        runner.join(15)
+
+
+class _SlowToStart(NodeAgent):
+    """A successor whose start takes longer than the lease's TTL before it registers (a busy
+    node: binding, reading the round and adopting took seconds)."""
+
+    def _catch_up_round(self) -> None:
+        if not getattr(self, "_slowed", False):
+            self._slowed = True
+            time.sleep(3.0)  # lease_ttl is 2 s
+        super()._catch_up_round()
+
+
+def test_a_successor_slower_to_start_than_the_lease_ttl_carries_on_the_lease(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, key_prefix: str) -> None:
+    """The node record stays under the first agent's lease throughout: the daemon never sees the
+    node go (it would drop it from a round it forms meanwhile)."""
+    job = "carry-" + key_prefix.strip("/").split("/")[-1][-40:]
+    keys = JobKeys(job)
+    config = _config(etcd_server, tmp_path, job)
+    first = NodeAgent(config)
+    first.start()
+    runner = threading.Thread(target=first.run, daemon=True)
+    runner.start()
+    _open_round(etcd_client, keys, 1, [("n0", first.address)])
+    wait_for(lambda: len(_running_steps(first)) == 2, 30, "two workers stepping")
+    assert first._lease is not None
+    lease = first._lease.id
+    first.handoff()
+    runner.join(15)
+    second = _SlowToStart(config)
+    second.start()
+    runner = threading.Thread(target=second.run, daemon=True)
+    runner.start()
+    try:
+        assert second._lease is not None and second._lease.id == lease
+        kv = etcd_client.get(keys.node("n0"))
+        assert kv is not None and kv.lease == lease
+        wait_for(lambda: len(_running_steps(second)) == 2, 30, "the adopted workers stepping")
     finally:
         second.shutdown()
         runner.join(15)
