@@ -24,10 +24,11 @@ Adam whose parameters and moments make ``--state`` bytes; forward, backward, opt
 for ``--seconds`` of wall time without checkpointing and then with a stalwart overlap save every
 ``--every`` steps, for each ``--configs`` entry (SaveConfig fields, e.g. ``background_nice=19``),
 ``--runs`` times interleaved; it reports steps/s, the throughput lost (%), the CPU time per step of
-the whole process (background threads included) and the stall. Then it restores the last
-checkpoint into the live tensors from storage, once as it is and once with reads throttled to
-``--throttle-mbps`` (``load(read_bytes_per_s=...)``: every chunk read waits its turn), so the cost of a
-restore from slow storage shows.
+the whole process (background threads included), the CPU floor (the least the extra CPU work can
+cost when training leaves too few idle cores to absorb it: :func:`cpu_floor`) and the stall.
+Then it restores the last checkpoint into the live tensors from storage, once as it is and once
+with reads throttled to ``--throttle-mbps`` (``load(read_bytes_per_s=...)``: every chunk read
+waits its turn), so the cost of a restore from slow storage shows.
 
 Prints a table and writes JSON to ``bench/results/`` (``--out``); ``--dir`` (created if missing) is
 the scratch directory on the disk to measure. This is a benchmark, not a test: nothing here asserts.
@@ -391,6 +392,15 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def cpu_floor(step_s: float, cpu_per_step: float, extra_per_step: float, cores: int) -> float:
+    """The least throughput checkpointing can cost when its CPU work has to fit beside training's:
+    a step needs ``cpu_per_step`` CPU seconds, and checkpointing ``extra_per_step`` more; with
+    ``cores`` cores a step cannot take less than ``(cpu + extra) / cores`` of wall time, nor less
+    than it did without checkpoints. 0 when idle cores can absorb the work."""
+    fastest = max(step_s, (cpu_per_step + max(extra_per_step, 0.0)) / cores)
+    return 1.0 - step_s / fastest
+
+
 def bench_throughput(workdir: str, args: argparse.Namespace) -> dict[str, Any]:
     nbytes = parse_size(args.state)
     trainer = _Trainer(nbytes, args.depth, args.batch)
@@ -435,6 +445,8 @@ def bench_throughput(workdir: str, args: argparse.Namespace) -> dict[str, Any]:
             restores["storage_throttled"].append(restore(root, trainer, rate))
     shutil.rmtree(root, ignore_errors=True)
     base_sps = statistics.median(r["steps_per_s"] for r in runs["none"])
+    cores = len(os.sched_getaffinity(0))
+    base_cpu = statistics.median(r["cpu_s_per_step"] for r in runs["none"])
     summary: dict[str, Any] = {}
     for name, rs in runs.items():
         summary[name] = {
@@ -448,6 +460,8 @@ def bench_throughput(workdir: str, args: argparse.Namespace) -> dict[str, Any]:
             "snapshot_wait_s": statistics.median(r["snapshot_wait_s"] for r in rs),
             "lost_each": [r.get("lost", 0.0) for r in rs],
         }
+        extra = summary[name]["cpu_s_per_step"] - base_cpu
+        summary[name]["cpu_floor"] = cpu_floor(1.0 / base_sps, base_cpu, extra, cores) if name != "none" else 0.0
     return {
         "state_bytes": state_bytes,
         "model": {"width": trainer.width, "depth": trainer.depth, "batch": trainer.batch},
@@ -456,6 +470,8 @@ def bench_throughput(workdir: str, args: argparse.Namespace) -> dict[str, Any]:
         "configs": {name: {k: v for k, v in kw} for name, kw in
                     ((n, sorted(k.items())) for n, k in parse_configs(args.configs))},
         "baseline_steps_per_s": base_sps,
+        "cores": cores,
+        "busy_cores": base_cpu * base_sps,  # what training alone keeps busy
         "runs": runs,
         "summary": summary,
         "restore": {key: ({"seconds": statistics.median(r["seconds"] for r in rs),
@@ -482,7 +498,8 @@ def parse_configs(text: str) -> list[tuple[str, dict[str, Any]]]:
 def print_throughput(res: dict[str, Any]) -> None:
     size = f"{res['state_bytes'] / MiB:.0f}M"
     header = (f"{'state':>6} {'checkpoint':<22} {'steps/s':>8} {'step s':>7} {'lost':>6} {'lost each run':<22} "
-              f"{'CPU s/step':>10} {'CPU +':>6} {'saves':>5} {'stall ms':>8} {'snap wait ms':>12}")  # fmt: skip
+              f"{'CPU s/step':>10} {'CPU +':>6} {'CPU floor':>9} {'saves':>5} {'stall ms':>8} "
+              f"{'snap wait ms':>12}")  # fmt: skip
     print("\n" + header)
     print("-" * len(header))
     for name, s in res["summary"].items():
@@ -490,8 +507,9 @@ def print_throughput(res: dict[str, Any]) -> None:
         each = " ".join(f"{x:.1%}" for x in s["lost_each"]) if name != "none" else "-"
         lost = f"{s['lost']:6.1%}" if name != "none" else f"{'-':>6}"
         cpu_extra = f"{s['cpu_extra']:6.1%}" if name != "none" else f"{'-':>6}"
+        floor = f"{s['cpu_floor']:9.1%}" if name != "none" else f"{'-':>9}"
         print(f"{size:>6} {label:<22} {s['steps_per_s']:8.3f} {s['step_s']:7.3f} {lost} {each:<22} "
-              f"{s['cpu_s_per_step']:10.3f} {cpu_extra} {s['saves']:5.0f} {s['stall_s'] * 1e3:8.1f} "
+              f"{s['cpu_s_per_step']:10.3f} {cpu_extra} {floor} {s['saves']:5.0f} {s['stall_s'] * 1e3:8.1f} "
               f"{s['snapshot_wait_s'] * 1e3:12.1f}")
     print()
     for key, label in (("storage", "restore from storage"),
@@ -505,6 +523,10 @@ def print_throughput(res: dict[str, Any]) -> None:
     print("CPU s/step: CPU time of the whole process (training and background threads) per step; CPU +:")
     print("median extra CPU per step against the no-checkpoint run (what checkpointing costs in CPU work,")
     print("unlike steps/s not disturbed by other tenants of the machine).")
+    print(f"CPU floor: the least throughput that extra CPU work can cost here: training alone keeps "
+          f"{res['busy_cores']:.2f} of {res['cores']} cores busy,")
+    print("so checkpoint work beyond the idle cores' share lengthens every step (no pacing or priority")
+    print("gets under it; only less work per checkpoint, or idle cores, does).")
     print("stall: median time save() blocks; snap wait: median wait for the overlapped snapshot before the")
     print("optimizer step. Restore: median time to load the last checkpoint into the live tensors (the")
     print("unthrottled read is mostly from the page cache).")
