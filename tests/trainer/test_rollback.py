@@ -165,7 +165,7 @@ def test_a_fault_before_the_first_checkpoint_stops_the_job(ds_env: dict[str, str
     rc = _solo(ds_env, tmp_path, "run", "--steps", "8", "--inject-nan-step", "3")
     assert rc == EXIT_DIVERGED, tail(tmp_path / "run.log")
     events = read_events(str(tmp_path / "steps.jsonl"))
-    assert [e["event"] for e in events] == ["restore", "step", "step", "fault", "gave_up"]
+    assert [e["event"] for e in events] == ["restore", "step", "startup", "step", "fault", "gave_up"]
     assert "no good checkpoint before step 3" in events[-1]["reason"]
     assert list_checkpoints(str(tmp_path / "ckpt")) == []
 
