@@ -95,21 +95,30 @@ def test_an_adopted_process_is_waited_for_through_its_pidfd() -> None:
     assert adopted.wait(timeout=1) is None  # ended; its status is not ours to read
 
 
+def _handed_off(config: AgentConfig, client: EtcdClient, keys: JobKeys) -> tuple[list[int], int]:
+    """A first agent whose two workers step in round 1, then hands off (``systemctl restart``):
+    the workers' pids and the lease it leaves for its successor."""
+    first = NodeAgent(config)
+    first.start()
+    runner = threading.Thread(target=first.run, daemon=True)
+    runner.start()
+    _open_round(client, keys, 1, [("n0", first.address)])
+    wait_for(lambda: len(_running_steps(first)) == 2, 30, "two workers stepping")
+    pids = [w.pid for w in first.status().workers]
+    assert first._lease is not None
+    lease = first._lease.id
+    first.handoff()
+    runner.join(15)
+    assert all(process_start_time(pid) is not None for pid in pids), "a hand-off stopped the workers"
+    return pids, lease
+
+
 def test_workers_of_a_round_that_went_on_without_the_node_are_stopped_by_the_next_agent(
         etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, key_prefix: str) -> None:
     job = "adopt-" + key_prefix.strip("/").split("/")[-1][-40:].replace("[", "-").replace("]", "")
     keys = JobKeys(job)
     config = _config(etcd_server, tmp_path, job)
-    first = NodeAgent(config)
-    first.start()
-    runner = threading.Thread(target=first.run, daemon=True)
-    runner.start()
-    _open_round(etcd_client, keys, 1, [("n0", first.address)])
-    wait_for(lambda: len(_running_steps(first)) == 2, 30, "two workers stepping")
-    pids = [w.pid for w in first.status().workers]
-    first.handoff()
-    runner.join(15)
-    assert all(process_start_time(pid) is not None for pid in pids), "a hand-off stopped the workers"
+    pids, _ = _handed_off(config, etcd_client, keys)
 
     # Meanwhile the job went on without this node: its workers' round is stale.
     _open_round(etcd_client, keys, 2, [("other", "127.0.0.1:1")])
@@ -147,16 +156,7 @@ def test_a_successor_slower_to_start_than_the_lease_ttl_carries_on_the_lease(
     job = "carry-" + key_prefix.strip("/").split("/")[-1][-40:]
     keys = JobKeys(job)
     config = _config(etcd_server, tmp_path, job)
-    first = NodeAgent(config)
-    first.start()
-    runner = threading.Thread(target=first.run, daemon=True)
-    runner.start()
-    _open_round(etcd_client, keys, 1, [("n0", first.address)])
-    wait_for(lambda: len(_running_steps(first)) == 2, 30, "two workers stepping")
-    assert first._lease is not None
-    lease = first._lease.id
-    first.handoff()
-    runner.join(15)
+    _, lease = _handed_off(config, etcd_client, keys)
     second = _SlowToStart(config)
     second.start()
     runner = threading.Thread(target=second.run, daemon=True)
