@@ -23,7 +23,7 @@ from pathlib import Path
 
 from stalwart.agent.adopt import AdoptedProcess
 from stalwart.coord.local import die_with_parent
-from stalwart.proto.contract import ENV_RESTORE_STEP, ENV_ROUND, ENV_SPARE, EXIT_DIVERGED
+from stalwart.proto.contract import ENV_RESTORE_STEP, ENV_ROUND, ENV_SPARE, EXIT_DIVERGED, EXIT_STUCK
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,9 @@ def classify(returncode: int, stopping: bool, oom_before: int) -> tuple[ExitKind
         return ExitKind.SUCCESS, "success"
     if returncode == EXIT_DIVERGED:
         return ExitKind.GAVE_UP, f"the job gave up: training diverged (exit code {EXIT_DIVERGED})"
+    if returncode == EXIT_STUCK:
+        return ExitKind.USER_ERROR, (f"stuck in a collective on a hung peer past the abort of its world "
+                                     f"(exit code {EXIT_STUCK})")
     if returncode > 0:
         return ExitKind.USER_ERROR, f"exit code {returncode}"
     sig = -returncode

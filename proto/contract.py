@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_ORPHAN_TIMEOUT",
     "ENV_SPARE",
     "EXIT_DIVERGED",
+    "EXIT_STUCK",
     "GAVE_UP_PREFIX",
     "SOCKET_DIR_MODE",
     "SOCKET_MODE",
@@ -61,6 +62,12 @@ EXIT_DIVERGED: Final = 3
 """Exit status of a training script stopped by repeated training-health faults (the job gave
 up; a crash is 1, a SIGTERM with its final checkpoint 0). The agent reports it as "the job gave
 up" and the daemon closes the job instead of restarting it."""
+
+EXIT_STUCK: Final = 5
+"""Exit status of a worker that could not leave a world with a hung peer: a collective stuck on
+it outlived the abort of the old world (gloo cannot interrupt a send partly written to a peer
+that stopped reading). The agent hands its rank to a warm spare, as for a crash; it is not a
+fault of the node's own."""
 
 SOCKET_DIR_MODE: Final = 0o700
 """The socket's directory: created by the agent with this mode; a group- or world-usable one is

@@ -41,7 +41,9 @@ class TrainerConfig:
     old world is aborted so that the collective raises and the rank re-forms at once: NCCL aborts
     every process group (``ncclCommAbort``), gloo, which has no abort, shuts down the old world's
     connections. ``None``: 3 × the last step time, at least 1 s (a rank that is not stuck applies
-    the Reform at the next step boundary, well within that).
+    the Reform at the next step boundary, well within that). A rank still stuck as long again
+    after the abort exits with ``EXIT_STUCK`` for a spare to take its rank (gloo cannot interrupt
+    a send partly written to a peer that stopped reading).
     ``restore_read_bytes_per_s``: a budget for each restore's reads from storage, per rank
     (``None``: none), so that a whole world restoring at once does not saturate a shared file system.
     ``peer``: buddy replicas of each rank's checkpoint part in other nodes' host memory, the

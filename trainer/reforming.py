@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from stalwart.ckpt import CheckpointError, CommitFailed
+from stalwart.proto.contract import EXIT_STUCK
 from stalwart.trainer.batching import accumulation_steps
 from stalwart.trainer.config import ReformTimings
 from stalwart.trainer.engine import _release_engine, backend_for_device
@@ -54,6 +57,14 @@ def _cut_old_world() -> None:
     world_sockets.cut(keep_ports=store_ports())
 
 
+def _exit_stuck() -> None:
+    """Exit with :data:`EXIT_STUCK` now: the main thread is blocked in C++ and cannot unwind."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_STUCK)
+
+
 class ReformingMixin:
     """Mixed into :class:`~stalwart.trainer.Trainer`: its Reform state is set up by its constructor,
     and a re-form ends in its ``_attach``, ``_restore`` and ``_resume`` for the new world."""
@@ -76,14 +87,21 @@ class ReformingMixin:
         threading.Thread(target=self._abort_if_stuck, args=(leaves, abort, spec.round), daemon=True,
                          name="stalwart-stuck-abort").start()
 
-    def _abort_if_stuck(self, leaves: int, abort: Callable[[], object], target: int) -> bool:
+    def _abort_if_stuck(self, leaves: int, abort: Callable[[], object], target: int,
+                        exit_process: Callable[[], object] = _exit_stuck) -> bool:
         """After a Reform: if this rank's current step runs ``abort_stuck_after_s`` without the
         rank beginning to leave the old world (``leaves`` unchanged), its main thread is stuck in a
         collective on a lost peer: ``abort`` the old world (NCCL: every process group; gloo: its
         connections) so that the collective raises and :meth:`train` re-forms. A rank already
         re-forming is left alone: its join gives way to a newer round by itself; so is one that is
         in the Reform's round ``target`` already (a join superseded by it went on to it within the
-        same leave, and the world left behind is that round's). Returns whether it aborted."""
+        same leave, and the world left behind is that round's). Returns whether it aborted.
+
+        A rank that has still not begun to leave as long again after the abort (at least 1 s)
+        calls ``exit_process``: gloo cannot interrupt a send partly written to a peer that stopped
+        reading (a SIGSTOPped or frozen peer), not by shutting the connection down nor by the
+        peer's death; it waits out ``collective_timeout_s``. Exiting with :data:`EXIT_STUCK`
+        costs the job one spare taking this rank instead."""
         wait = self.config.abort_stuck_after_s
         if wait is None:
             wait = max(1.0, 3.0 * self._last_step_time)
@@ -97,6 +115,14 @@ class ReformingMixin:
                       "aborting the old world", self.rank, self.round, self.step,
                       time.perf_counter() - self._step_started, wait)
             abort()
+        deadline = time.monotonic() + max(wait, 1.0)
+        while self._leaves == leaves and time.monotonic() < deadline:
+            self._left_world.wait(0.05)
+        if self._leaves == leaves:
+            log.error("rank %d round %d step %d: still stuck %.1f s after the abort of its world (a collective "
+                      "that cannot be interrupted, on a hung peer): exiting (code %d) for a spare to take "
+                      "its rank", self.rank, self.round, self.step, max(wait, 1.0), EXIT_STUCK)
+            exit_process()
         return True
 
     @property

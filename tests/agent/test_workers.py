@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup
+from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup, classify
+from stalwart.proto.contract import EXIT_STUCK
 from testkit import process_gone, python_child, wait_for
 
 ASSIGN = RoundAssignment(round=7, group_rank=1, first_rank=2, local_world_size=2, world_size=6,
@@ -61,6 +62,11 @@ def test_sigkilled_worker_is_reported_within_half_a_second(tmp_path: Path) -> No
 def test_exit_codes_are_classified(tmp_path: Path, code: int, kind: ExitKind) -> None:
     group, exits = _group(tmp_path, [sys.executable, "-c", f"raise SystemExit({code})"])
     assert {exits.get(timeout=30).kind for _ in range(2)} == {kind}
+
+
+def test_a_worker_stuck_past_its_worlds_abort_is_named_and_not_a_fault_of_the_node() -> None:
+    kind, reason = classify(EXIT_STUCK, stopping=False, oom_before=0)
+    assert kind is ExitKind.USER_ERROR and "hung peer" in reason and str(EXIT_STUCK) in reason
 
 
 def test_stop_reaches_the_whole_tree_and_kills_what_ignores_sigterm(tmp_path: Path) -> None:

@@ -3,13 +3,15 @@ gloo's cut and NCCL's group abort, is exercised by ``test_reform.py``'s SIGSTOP 
 
 A Reform that finds the rank in a step that has run ``abort_stuck_after_s`` means its main thread
 is stuck in a collective on a lost peer: the old world is aborted. A rank that begins to leave in
-time, or is already re-forming, is left alone.
+time, or is already re-forming, is left alone. One still stuck after the abort exits (a recorded
+call here; ``test_stuck_send.py`` runs the real one against a real stuck gloo send).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from stalwart.trainer import Trainer, TrainerConfig
 
@@ -25,26 +27,48 @@ def _trainer(after: float | None, *, step_began: float = 0.0) -> Trainer:
     return t
 
 
-def test_a_rank_stuck_in_its_step_aborts_the_old_world() -> None:
-    t, calls = _trainer(0.05), []
-    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == ["abort"]
-
-
-def test_a_step_already_past_the_limit_when_the_reform_comes_aborts_at_once() -> None:
-    t, calls = _trainer(3600.0, step_began=7200.0), []  # stuck for two hours already: no wait
-    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == ["abort"]
-
-
-def test_a_rank_that_began_to_leave_in_time_does_not_abort() -> None:
-    t, calls = _trainer(3600.0), []
-
+def _leave_soon(t: Trainer, after: float = 0.05) -> None:
+    """The main thread begins to leave its world ``after`` seconds from now."""
     def leave() -> None:
-        time.sleep(0.05)
+        time.sleep(after)
         with t._reform_lock:
             t._leaves += 1
         t._left_world.set()
 
     threading.Thread(target=leave).start()
+
+
+def _aborts(t: Trainer, calls: list[str]) -> Callable[[], None]:
+    """An abort that makes the stuck collective raise: the main thread then begins to leave."""
+    def abort() -> None:
+        calls.append("abort")
+        _leave_soon(t, 0.0)
+
+    return abort
+
+
+def test_a_rank_stuck_in_its_step_aborts_the_old_world() -> None:
+    t, calls = _trainer(0.05), []
+    assert t._abort_if_stuck(0, _aborts(t, calls), 1, lambda: calls.append("exit"))
+    assert calls == ["abort"]
+
+
+def test_a_rank_still_stuck_after_the_abort_exits() -> None:
+    """A collective the abort cannot interrupt (gloo: a send partly written to a stopped peer)."""
+    t, calls = _trainer(0.05), []
+    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 1, lambda: calls.append("exit"))
+    assert calls == ["abort", "exit"]
+
+
+def test_a_step_already_past_the_limit_when_the_reform_comes_aborts_at_once() -> None:
+    t, calls = _trainer(3600.0, step_began=7200.0), []  # stuck for two hours already: no wait
+    assert t._abort_if_stuck(0, _aborts(t, calls), 1, lambda: calls.append("exit"))
+    assert calls == ["abort"]
+
+
+def test_a_rank_that_began_to_leave_in_time_does_not_abort() -> None:
+    t, calls = _trainer(3600.0), []
+    _leave_soon(t)
     assert not t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == []  # returned: it left
 
 
@@ -62,21 +86,16 @@ def test_a_rank_that_reached_the_reforms_round_within_its_leave_does_not_abort()
     t.round = 2
     assert not t._abort_if_stuck(0, lambda: calls.append("abort"), 2) and calls == []
     t.round = 1  # still in the world before the Reform's round: stuck there
-    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 2) and calls == ["abort"]
+    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 2, lambda: calls.append("exit"))
+    assert calls == ["abort", "exit"]
 
 
 def test_the_default_limit_follows_the_step_time() -> None:
     t, calls = _trainer(None, step_began=1.5), []
     t._last_step_time = 0.01  # 3 x 0.01 s is under the 1 s floor, which the step is past
-    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == ["abort"]
+    assert t._abort_if_stuck(0, _aborts(t, calls), 1, lambda: calls.append("exit"))
+    assert calls == ["abort"]
     t, calls = _trainer(None, step_began=1.5), []
     t._last_step_time = 3600.0  # a step this slow is not stuck at 1.5 s
-
-    def leave() -> None:
-        time.sleep(0.05)
-        with t._reform_lock:
-            t._leaves += 1
-        t._left_world.set()
-
-    threading.Thread(target=leave).start()
+    _leave_soon(t)
     assert not t._abort_if_stuck(0, lambda: calls.append("abort"), 1) and calls == []
