@@ -199,19 +199,38 @@ def run(cfg: Config, workdir: Path) -> Report:
             report.samples.append(_sample(0.0, t0, client, keys, daemon.pid, fleet, logs, store, metrics_port,
                                           etcd.endpoints[0], first.number, 0))
             step, fault_every = 0, max(1, cfg.ckpts_per_day // max(cfg.faults_per_day, 1))
+            back: str | None = None  # the last fault's node, until a round has it again
+
+            def checkpoint(day: int) -> None:
+                nonlocal step
+                step += 100
+                saver.save(step, {"w": state["w"].fill_(step)}, {"day": day}).result(60)
+                client.create(keys.ckpt(step), records_pb2.CheckpointRecord(step=step).SerializeToString())
+                report.checkpoints += 1
+
+            def in_round(node: str) -> bool:
+                rnd = current()
+                return rnd is not None and not rnd.closed and node in {m.node_id for m in rnd.members}
+
             for day in range(cfg.days):
                 for c in range(cfg.ckpts_per_day):
-                    step += 100
-                    saver.save(step, {"w": state["w"].fill_(step)}, {"day": day}).result(60)
-                    client.create(keys.ckpt(step), records_pb2.CheckpointRecord(step=step).SerializeToString())
-                    report.checkpoints += 1
+                    checkpoint(day)
                     if cfg.faults_per_day and c % fault_every == fault_every - 1:
+                        # Each fault gets its own regrow (two rounds a fault): a node whose
+                        # registration the daemon saw only after the commits since its fault is
+                        # regrown by one more commit.
+                        for _ in range(200):
+                            if back is None or in_round(back):
+                                break
+                            checkpoint(day)
+                            time.sleep(0.02)
                         rnd = current()
                         members = [m.node_id for m in rnd.members] if rnd else nodes
                         victim = rng.choice(members)
                         fleet.revoke([victim])
                         wait_round(lambda r, v=victim: v not in {m.node_id for m in r.members}, f"without {victim}")
                         fleet.register([victim])  # back: the next checkpoint regrows the world
+                        back = victim
                         report.faults += 1
                 if day + 1 == cfg.days:
                     _await_compaction(cfg, metrics_port)

@@ -599,6 +599,8 @@ class Daemon:
         self._compact(term, now, revision)
         if now - term.scanned_at >= self.settings.tick_interval:
             term.scanned_at = now
+            if term.machine.expire_faults(now):
+                self._persist_faults(term, now)
             counts = Tally(rec.state.value for rec in term.machine.state.nodes.values())
             for state in NodeState:
                 self.metrics.nodes.labels(state.value).set(counts.get(state.value, 0))

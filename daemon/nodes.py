@@ -65,7 +65,8 @@ def check_transition(node_id: str, old: NodeState, new: NodeState) -> None:
 class NodeRecord:
     """One node as the state machine sees it. Mutated only by the machine.
 
-    ``faults`` holds the times of recent faults (pruned to the quarantine window when one is added).
+    ``faults`` holds the times of recent faults (pruned to the quarantine window when one is added,
+    and each tick: :meth:`RoundMachine.expire_faults`).
     ``last_step``, ``last_progress_at`` and ``unreachable`` describe the current round only and are
     reset whenever a round opens.
     """

@@ -726,6 +726,20 @@ class RoundMachine:
 
     # --- node bookkeeping -----------------------------------------------------------------------
 
+    def expire_faults(self, now: float) -> int:
+        """Forget fault times that have left the quarantine window, so that a node's fault record
+        in etcd (one key per node that ever faulted) goes once its faults are old: over months, and
+        with hosts replaced under new names, those keys would otherwise only accumulate. A
+        quarantined node keeps its record (its quarantine outlives its faults). O(nodes); the loop
+        calls it once a tick. Returns how many nodes' records changed."""
+        window, changed = self.policy.quarantine_window, 0
+        for rec in self.state.nodes.values():
+            if rec.faults and now - rec.faults[0] >= window:
+                rec.faults = [t for t in rec.faults if now - t < window]
+                self.state.fault_changes.add(rec.node_id)
+                changed += 1
+        return changed
+
     def _fault(self, rec: NodeRecord, now: float, why: str) -> bool:
         """Record a fault; quarantine the node (returning True) when it has too many recent ones."""
         pol = self.policy

@@ -30,9 +30,8 @@ def test_short_run_prunes_compacts_rotates_and_keeps_retention(tmp_path: Path) -
                        compact_interval=1.0, log_max_bytes=20_000, log_backups=2, quiet=True)
     report = bench.run(cfg, tmp_path)
     last = report.samples[-1]
-    assert report.checkpoints == 64 and report.faults == 16
-    # at least one round per fault: a shrink, and a regrow unless the node came back in the same batch
-    assert report.rounds >= 1 + report.faults
+    assert report.checkpoints >= 64 and report.faults == 16  # a few more when a regrow waits for a commit
+    assert report.rounds >= 2 * report.faults  # the first, a shrink for each fault, a regrow for each but the last
     assert last.ckpt_records == cfg.keep_ckpt_records  # older commit records pruned
     assert last.ckpt_dirs <= cfg.keep_last + 1  # storage under the retention policy
     assert 0 < last.compacted_revision < last.revision  # history compacted

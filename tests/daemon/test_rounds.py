@@ -373,6 +373,35 @@ def test_faults_outside_window_do_not_quarantine() -> None:
     assert sim.state_of("c") is not NodeState.QUARANTINED
 
 
+def test_faults_that_leave_the_window_are_forgotten_and_their_record_goes() -> None:
+    """Over months (and hosts replaced under new names) the one fault record per node that ever
+    faulted would only accumulate in etcd: faults that left the window are dropped each tick, and
+    the loop deletes a record with none left."""
+    sim = Sim(quarantine_faults=2, quarantine_window=10.0)
+    sim.register("a", "b", "c")
+    sim.send(HealthVerdict("c", Health.TRANSIENT), 1.0)
+    sim.send(HealthVerdict("b", Health.TRANSIENT), 5.0)
+    state = sim.machine.state
+    state.fault_changes.clear()  # the loop wrote them
+    assert state.nodes["c"].faults == [1.0] and state.nodes["b"].faults == [6.0]
+    assert sim.machine.expire_faults(10.5) == 0  # c's fault is 9.5 s old: kept
+    assert sim.machine.expire_faults(11.0) == 1
+    assert state.nodes["c"].faults == [] and state.nodes["b"].faults == [6.0] and state.fault_changes == {"c"}
+    state.fault_changes.clear()
+    assert sim.machine.expire_faults(11.0) == 0  # nothing more to forget: nothing written
+
+
+def test_a_quarantined_node_stays_quarantined_when_its_faults_expire() -> None:
+    sim = Sim(quarantine_faults=2, quarantine_window=10.0)
+    sim.register("a", "b", "c")
+    sim.send(HealthVerdict("c", Health.TRANSIENT), 1.0)
+    sim.send(HealthVerdict("c", Health.HEALTHY), 1.0)
+    sim.send(HealthVerdict("c", Health.TRANSIENT), 1.0)
+    assert sim.state_of("c") is NodeState.QUARANTINED
+    assert sim.machine.expire_faults(sim.now + 100.0) == 1
+    assert sim.state_of("c") is NodeState.QUARANTINED and sim.machine.state.nodes["c"].faults == []
+
+
 def test_quarantined_member_leaves_round_and_survives_reregistration() -> None:
     sim = Sim(quarantine_faults=1)
     sim.start("a", "b", "c")
