@@ -57,6 +57,22 @@ def _cut_old_world() -> None:
     world_sockets.cut(keep_ports=store_ports())
 
 
+# Where the innermost Python frame of a thread in a collective's native call is: torch's
+# distributed module, DeepSpeed's comm layer, or the collective timer's wrapped ``Work.wait``.
+_COLLECTIVE_CODE = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}deepspeed{os.sep}comm{os.sep}",
+                    f"{os.sep}collective_timer.py")
+
+
+def _call_in_collective(thread_id: int | None) -> tuple[object, int] | None:
+    """The innermost Python frame of thread ``thread_id`` and its instruction, if that frame is a
+    collective's (see ``_COLLECTIVE_CODE``): the thread is then in the collective's native call.
+    The same frame at the same instruction later means it is still in that one call."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    if frame is None or not any(part in frame.f_code.co_filename for part in _COLLECTIVE_CODE):
+        return None
+    return frame, frame.f_lasti
+
+
 def _exit_stuck() -> None:
     """Exit with :data:`EXIT_STUCK` now: the main thread is blocked in C++ and cannot unwind."""
     for handler in logging.getLogger().handlers:
@@ -97,11 +113,12 @@ class ReformingMixin:
         in the Reform's round ``target`` already (a join superseded by it went on to it within the
         same leave, and the world left behind is that round's). Returns whether it aborted.
 
-        A rank that has still not begun to leave as long again after the abort (at least 1 s)
-        calls ``exit_process``: gloo cannot interrupt a send partly written to a peer that stopped
-        reading (a SIGSTOPped or frozen peer), not by shutting the connection down nor by the
-        peer's death; it waits out ``collective_timeout_s``. Exiting with :data:`EXIT_STUCK`
-        costs the job one spare taking this rank instead."""
+        A rank that has still not begun to leave as long again after the abort (at least 1 s),
+        its training thread in one collective call all that time, calls ``exit_process``: gloo
+        cannot interrupt a send partly written to a peer that stopped reading (a SIGSTOPped or
+        frozen peer), not by shutting the connection down nor by the peer's death; it waits out
+        ``collective_timeout_s``. Exiting with :data:`EXIT_STUCK` costs the job one spare taking
+        this rank instead."""
         wait = self.config.abort_stuck_after_s
         if wait is None:
             wait = max(1.0, 3.0 * self._last_step_time)
@@ -115,15 +132,29 @@ class ReformingMixin:
                       "aborting the old world", self.rank, self.round, self.step,
                       time.perf_counter() - self._step_started, wait)
             abort()
+        call = self._collective_call()
         deadline = time.monotonic() + max(wait, 1.0)
         while self._leaves == leaves and time.monotonic() < deadline:
             self._left_world.wait(0.05)
-        if self._leaves == leaves:
+        if self._leaves != leaves:
+            return True
+        still = self._collective_call()
+        if call is None or still is None or still[0] is not call[0] or still[1] != call[1]:
+            # Not in one collective the whole time (a long native call of its own, such as an
+            # optimizer step on the CPU): its next collective raises on the cut world.
+            log.warning("rank %d round %d step %d: not yet out of its step %.1f s after the abort of its "
+                        "world, but not stuck in a collective: it leaves at its next one", self.rank,
+                        self.round, self.step, max(wait, 1.0))
+        else:
             log.error("rank %d round %d step %d: still stuck %.1f s after the abort of its world (a collective "
                       "that cannot be interrupted, on a hung peer): exiting (code %d) for a spare to take "
                       "its rank", self.rank, self.round, self.step, max(wait, 1.0), EXIT_STUCK)
             exit_process()
         return True
+
+    def _collective_call(self) -> tuple[object, int] | None:
+        """The collective call the training thread is in now, if any (see ``_call_in_collective``)."""
+        return _call_in_collective(getattr(self, "_step_thread", threading.main_thread().ident))
 
     @property
     def cannot_reform(self) -> str | None:

@@ -118,6 +118,7 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
         self._leaves = 0  # times this process began to leave a world (see _abort_if_stuck)
         self._reforming = False  # between leaving a world and being restored in the next
         self._left_world = threading.Event()
+        self._step_thread = threading.get_ident()  # the thread that trains (see _abort_if_stuck)
         self._last_step_time = 0.0
         self._first_step_pending: ReformTimings | None = None
         self._startup_pending: StartupTimings | None = None  # set by initialize, written at the first step
@@ -369,6 +370,7 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
         self._skipped_seen += skipped_now
         now = time.perf_counter()
         step_time, self._step_started = now - self._step_started, now
+        self._step_thread = threading.get_ident()
         self._last_step_time = step_time
         fault = self.health.check(batch.step, mean_loss, loss_finite=loss_finite, grad_norm=agreed_norm,
                                   update_skipped=update_skipped)

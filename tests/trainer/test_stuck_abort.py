@@ -53,11 +53,40 @@ def test_a_rank_stuck_in_its_step_aborts_the_old_world() -> None:
     assert calls == ["abort"]
 
 
-def test_a_rank_still_stuck_after_the_abort_exits() -> None:
+def _in_one_collective(t: Trainer) -> None:
+    """The training thread stays in one collective call (the same frame at the same instruction)."""
+    call = (object(), 7)
+    t._collective_call = lambda: call  # type: ignore[method-assign]
+
+
+def test_a_rank_still_stuck_in_a_collective_after_the_abort_exits() -> None:
     """A collective the abort cannot interrupt (gloo: a send partly written to a stopped peer)."""
     t, calls = _trainer(0.05), []
+    _in_one_collective(t)
     assert t._abort_if_stuck(0, lambda: calls.append("abort"), 1, lambda: calls.append("exit"))
     assert calls == ["abort", "exit"]
+
+
+def test_a_rank_slow_in_a_long_call_of_its_own_after_the_abort_does_not_exit() -> None:
+    """Not in a collective (an optimizer step on the CPU, a large copy): its next collective raises
+    on the cut world, so it leaves then; exiting would cost a spare for nothing."""
+    t, calls = _trainer(0.05), []
+    t._collective_call = lambda: None  # type: ignore[method-assign]
+    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 1, lambda: calls.append("exit"))
+    assert calls == ["abort"]
+    t, calls = _trainer(0.05), []
+    calls_seen = iter([(object(), 1), (object(), 1)])  # a collective, then another: it moves on
+    t._collective_call = lambda: next(calls_seen)  # type: ignore[method-assign]
+    assert t._abort_if_stuck(0, lambda: calls.append("abort"), 1, lambda: calls.append("exit"))
+    assert calls == ["abort"]
+
+
+def test_a_thread_outside_torch_distributed_is_not_taken_to_be_in_a_collective() -> None:
+    from stalwart.trainer.reforming import _call_in_collective
+
+    here = threading.get_ident()
+    assert _call_in_collective(here) is None  # this test's own code
+    assert _call_in_collective(None) is None
 
 
 def test_a_step_already_past_the_limit_when_the_reform_comes_aborts_at_once() -> None:
@@ -86,6 +115,7 @@ def test_a_rank_that_reached_the_reforms_round_within_its_leave_does_not_abort()
     t.round = 2
     assert not t._abort_if_stuck(0, lambda: calls.append("abort"), 2) and calls == []
     t.round = 1  # still in the world before the Reform's round: stuck there
+    _in_one_collective(t)
     assert t._abort_if_stuck(0, lambda: calls.append("abort"), 2, lambda: calls.append("exit"))
     assert calls == ["abort", "exit"]
 
