@@ -96,6 +96,7 @@ class AgentConfig:
     stall_floor: float = 10.0
     stall_factor: float = 5.0
     stall_first_step: float = 300.0
+    stall_frozen_after: float = 0.3  # seconds a stopped (SIGSTOP) worker may stay so before it is stalled
     progress_interval: float = 5.0  # seconds between progress writes to etcd (rate limit)
     peer_probe_interval: float = 5.0
     # When a worker stalls with its process running (blocked in a collective), the agent checks
@@ -139,7 +140,7 @@ class AgentConfig:
                f"must be >= 0, got {self.peer_probe_neighbours}")
         _check(self.lease_ttl >= 2, "lease_ttl", f"must be >= 2 s (etcd's minimum), got {self.lease_ttl}")
         for name in ("stop_grace", "probe_interval", "progress_interval", "peer_probe_interval", "stall_floor",
-                     "stall_first_step"):
+                     "stall_first_step", "stall_frozen_after"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check(self.stall_factor >= 1, "stall_factor", f"must be >= 1, got {self.stall_factor}")
         _check(0.001 <= self.slow_worker_period <= 10, "slow_worker_period",

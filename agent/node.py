@@ -76,7 +76,8 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
         self.keys = JobKeys(config.job)
         self.client = client or EtcdClient(config.etcd)
         self.probe = probe or make_probe(config.probe, config.workers)
-        self.stalls = StallDetector(StallPolicy(config.stall_floor, config.stall_factor, config.stall_first_step))
+        self.stalls = StallDetector(StallPolicy(config.stall_floor, config.stall_factor, config.stall_first_step,
+                                                 frozen_after=config.stall_frozen_after))
         self._state = NodeState()
         self._lock = threading.RLock()
         self._commands: queue.Queue[tuple[str, object]] = queue.Queue()

@@ -23,7 +23,7 @@ class StallPolicy:
     factor: float = 5.0  # times the median recent step time
     first_step: float = 300.0  # seconds allowed for the first step after a (re)start
     window: int = 50  # recent step times the median is taken over
-    frozen_after: float = 1.0  # seconds a stopped process may stay stopped before it is stalled
+    frozen_after: float = 0.3  # seconds a stopped process may stay stopped before it is stalled
 
     def __post_init__(self) -> None:
         if self.floor <= 0 or self.factor < 1 or self.first_step <= 0 or self.window < 1 or self.frozen_after <= 0:

@@ -40,7 +40,7 @@ class TrainerConfig:
     hung: its connections stay open, so nothing fails before ``collective_timeout_s``), and the
     old world is aborted so that the collective raises and the rank re-forms at once: NCCL aborts
     every process group (``ncclCommAbort``), gloo, which has no abort, shuts down the old world's
-    connections. ``None``: 3 × the last step time, at least 1 s (a rank that is not stuck applies
+    connections. ``None``: 3 × the last step time, at least 0.5 s (a rank that is not stuck applies
     the Reform at the next step boundary, well within that). A rank still stuck as long again
     after the abort exits with ``EXIT_STUCK`` for a spare to take its rank (gloo cannot interrupt
     a send partly written to a peer that stopped reading).

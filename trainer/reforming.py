@@ -121,7 +121,7 @@ class ReformingMixin:
         this rank instead."""
         wait = self.config.abort_stuck_after_s
         if wait is None:
-            wait = max(1.0, 3.0 * self._last_step_time)
+            wait = max(0.5, 3.0 * self._last_step_time)
         remaining = self._step_started + wait - time.perf_counter()
         if remaining > 0 and self._left_world.wait(remaining) and self._leaves != leaves:
             return False

@@ -104,3 +104,15 @@ def test_a_frozen_worker_is_stalled_long_before_the_floor_but_not_within_three_o
     assert [s.rank for s in d.check(now=4.1)] == [0]
     assert [s.rank for s in d.check(now=4.6)] == [1]
     assert d.frozen_limit(0) == 1 and d.frozen_limit(1) == 1.5
+
+
+def test_a_stopped_fast_worker_is_stalled_within_a_third_of_a_second_by_default() -> None:
+    """SIGSTOP leaves nothing to wait for: its peers stand still in their collectives meanwhile.
+    The agent's own slow-worker fault, which stops its target in bursts, is left out by the agent."""
+    d = StallDetector(StallPolicy())
+    d.started(0, now=0)
+    for step in range(1, 6):
+        d.step(0, step, 0.05, now=step * 0.05)
+    d.frozen(0, True, now=1.0)
+    assert d.check(now=1.25) == []
+    assert [s.rank for s in d.check(now=1.35)] == [0]

@@ -122,7 +122,7 @@ def test_a_rank_that_reached_the_reforms_round_within_its_leave_does_not_abort()
 
 def test_the_default_limit_follows_the_step_time() -> None:
     t, calls = _trainer(None, step_began=1.5), []
-    t._last_step_time = 0.01  # 3 x 0.01 s is under the 1 s floor, which the step is past
+    t._last_step_time = 0.01  # 3 x 0.01 s is under the 0.5 s floor, which the step is past
     assert t._abort_if_stuck(0, _aborts(t, calls), 1, lambda: calls.append("exit"))
     assert calls == ["abort"]
     t, calls = _trainer(None, step_began=1.5), []
