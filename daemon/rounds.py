@@ -732,18 +732,22 @@ class RoundMachine:
         with hosts replaced under new names, those keys would otherwise only accumulate. A
         quarantined node keeps its record (its quarantine outlives its faults). O(nodes); the loop
         calls it once a tick. Returns how many nodes' records changed."""
-        window, changed = self.policy.quarantine_window, 0
+        changed = 0
         for rec in self.state.nodes.values():
-            if rec.faults and now - rec.faults[0] >= window:
-                rec.faults = [t for t in rec.faults if now - t < window]
+            if rec.faults and now - rec.faults[0] >= self.policy.quarantine_window:
+                rec.faults = self._recent(rec.faults, now)
                 self.state.fault_changes.add(rec.node_id)
                 changed += 1
         return changed
 
+    def _recent(self, faults: list[float], now: float) -> list[float]:
+        """The fault times still within the quarantine window."""
+        return [t for t in faults if now - t < self.policy.quarantine_window]
+
     def _fault(self, rec: NodeRecord, now: float, why: str) -> bool:
         """Record a fault; quarantine the node (returning True) when it has too many recent ones."""
         pol = self.policy
-        rec.faults = [t for t in rec.faults if now - t < pol.quarantine_window] + [now]
+        rec.faults = self._recent(rec.faults, now) + [now]
         self.state.fault_changes.add(rec.node_id)
         log.info("round %d: node %s: fault %d within %gs: %s",
                  self._round_no(), rec.node_id, len(rec.faults), pol.quarantine_window, why)

@@ -132,8 +132,8 @@ class ReformingMixin:
                       "aborting the old world", self.rank, self.round, self.step,
                       time.perf_counter() - self._step_started, wait)
             abort()
-        call = self._collective_call()
-        deadline = time.monotonic() + max(wait, 1.0)
+        call, grace = self._collective_call(), max(wait, 1.0)
+        deadline = time.monotonic() + grace
         while self._leaves == leaves and time.monotonic() < deadline:
             self._left_world.wait(0.05)
         if self._leaves != leaves:
@@ -144,11 +144,11 @@ class ReformingMixin:
             # optimizer step on the CPU): its next collective raises on the cut world.
             log.warning("rank %d round %d step %d: not yet out of its step %.1f s after the abort of its "
                         "world, but not stuck in a collective: it leaves at its next one", self.rank,
-                        self.round, self.step, max(wait, 1.0))
+                        self.round, self.step, grace)
         else:
             log.error("rank %d round %d step %d: still stuck %.1f s after the abort of its world (a collective "
                       "that cannot be interrupted, on a hung peer): exiting (code %d) for a spare to take "
-                      "its rank", self.rank, self.round, self.step, max(wait, 1.0), EXIT_STUCK)
+                      "its rank", self.rank, self.round, self.step, grace, EXIT_STUCK)
             exit_process()
         return True
 

@@ -364,12 +364,18 @@ def test_quarantine_after_n_faults_until_uncordon() -> None:
     assert "c" in ids(opened)
 
 
-def test_faults_outside_window_do_not_quarantine() -> None:
+def _two_faults_of_c(apart: float) -> Sim:
+    """Nodes a, b, c registered; c faults twice (transient health), ``apart`` seconds apart."""
     sim = Sim(quarantine_faults=2, quarantine_window=10.0)
     sim.register("a", "b", "c")
     sim.send(HealthVerdict("c", Health.TRANSIENT), 1.0)
     sim.send(HealthVerdict("c", Health.HEALTHY), 1.0)
-    sim.send(HealthVerdict("c", Health.TRANSIENT), 20.0)
+    sim.send(HealthVerdict("c", Health.TRANSIENT), apart - 1.0)
+    return sim
+
+
+def test_faults_outside_window_do_not_quarantine() -> None:
+    sim = _two_faults_of_c(apart=21.0)
     assert sim.state_of("c") is not NodeState.QUARANTINED
 
 
@@ -392,11 +398,7 @@ def test_faults_that_leave_the_window_are_forgotten_and_their_record_goes() -> N
 
 
 def test_a_quarantined_node_stays_quarantined_when_its_faults_expire() -> None:
-    sim = Sim(quarantine_faults=2, quarantine_window=10.0)
-    sim.register("a", "b", "c")
-    sim.send(HealthVerdict("c", Health.TRANSIENT), 1.0)
-    sim.send(HealthVerdict("c", Health.HEALTHY), 1.0)
-    sim.send(HealthVerdict("c", Health.TRANSIENT), 1.0)
+    sim = _two_faults_of_c(apart=2.0)
     assert sim.state_of("c") is NodeState.QUARANTINED
     assert sim.machine.expire_faults(sim.now + 100.0) == 1
     assert sim.state_of("c") is NodeState.QUARANTINED and sim.machine.state.nodes["c"].faults == []

@@ -16,24 +16,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from stuck_watch import watch_shell
 
-from stalwart.trainer import Trainer, TrainerConfig
 from stalwart.trainer.reform import store_ports
 from stalwart.trainer.reforming import _cut_old_world
 from stalwart.trainer.world_sockets import world_sockets
 
 CHUNK = 64 * 1024 * 1024  # floats: 256 MB a send, far more than a socket's buffers hold
-
-
-def _watch(after: float) -> Trainer:
-    t = Trainer.__new__(Trainer)  # the watch needs only its own state, no engine
-    t.config = TrainerConfig(checkpoint_dir="unused", global_batch=2, micro_batch=1, dataset_len=2,
-                             abort_stuck_after_s=after)
-    t._reform_lock, t._left_world, t._leaves, t._last_step_time = threading.Lock(), threading.Event(), 0, 0.0
-    t._reforming = False
-    t._step_started = time.perf_counter()
-    t.rank = t.round = t.step = 0
-    return t
 
 
 def main() -> None:
@@ -55,7 +44,7 @@ def main() -> None:
         time.sleep(0.5)  # rank 0 streams meanwhile: the stop lands inside one of its sends
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(3600)
-    t = _watch(after=1.5)  # the Reform came at the start of this "step"
+    t = watch_shell(1.5)  # the Reform came at the start of this "step"
     threading.Thread(target=t._abort_if_stuck, args=(0, _cut_old_world, 1), daemon=True).start()
     try:
         for _ in range(1000):
