@@ -1,6 +1,6 @@
-"""Two ranks of a real gloo world. Rank 1 receives rank 0's stream of large sends on a thread and
-stops itself (SIGSTOP) part way, so rank 0 is left in a send partly written to a peer that no
-longer reads. Rank 0 runs the trainer's stuck-step watch as a Reform starts it (the real abort,
+"""Two ranks of a real gloo world. Rank 1 receives rank 0's stream of large sends and stops itself
+(SIGSTOP) once one has begun to arrive, so rank 0 is left in a send partly written to a peer that
+no longer reads. Rank 0 runs the trainer's stuck-step watch as a Reform starts it (the real abort,
 gloo's cut of the world's connections, and the real exit) and prints how its send ended, if it
 ends. gloo's collective timeout is set long (``--timeout``) so that waiting it out shows."""
 
@@ -22,7 +22,24 @@ from stalwart.trainer.reform import store_ports
 from stalwart.trainer.reforming import _cut_old_world
 from stalwart.trainer.world_sockets import world_sockets
 
-CHUNK = 64 * 1024 * 1024  # floats: 256 MB a send, far more than a socket's buffers hold
+CHUNK = 128 * 1024 * 1024  # floats: 512 MB a send, far more than a socket's buffers hold
+MARK = 1 << 20  # an element 4 MB into the receive buffer: the send has begun to arrive
+
+
+def _stop_inside_a_send(store: dist.Store) -> None:
+    """Rank 1: receive rank 0's sends until one is seen arriving (the buffer fills in order), then
+    stop there, while most of that send is still to be written: rank 0 is left inside it."""
+    buf = torch.zeros(CHUNK)
+    for _ in range(100):
+        buf.zero_()
+        work = dist.irecv(buf, 0)
+        while buf[MARK].item() == 0:
+            pass
+        if buf[-1].item() == 0:
+            store.set("stopped", "1")
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(3600)
+        work.wait()  # this one arrived whole before the look: try the next
 
 
 def main() -> None:
@@ -38,14 +55,18 @@ def main() -> None:
                             timeout=datetime.timedelta(seconds=args.timeout))
     dist.all_reduce(torch.ones(1))
     world_sockets.ready(store_ports())
-    buf = torch.ones(CHUNK)
+    store = dist.distributed_c10d._get_default_store()
     if args.rank == 1:
-        threading.Thread(target=lambda: [dist.recv(buf, 0) for _ in range(1000)], daemon=True).start()
-        time.sleep(0.5)  # rank 0 streams meanwhile: the stop lands inside one of its sends
-        os.kill(os.getpid(), signal.SIGSTOP)
-        time.sleep(3600)
-    t = watch_shell(1.5)  # the Reform came at the start of this "step"
-    threading.Thread(target=t._abort_if_stuck, args=(0, _cut_old_world, 1), daemon=True).start()
+        _stop_inside_a_send(store)
+    buf = torch.ones(CHUNK)
+    t = watch_shell(1.5)
+
+    def watch() -> None:
+        store.wait(["stopped"])  # the Reform comes once the peer hangs, as an agent's would
+        t._step_started = time.perf_counter()
+        t._abort_if_stuck(0, _cut_old_world, 1)
+
+    threading.Thread(target=watch, daemon=True).start()
     try:
         for _ in range(1000):
             dist.send(buf, 1)
