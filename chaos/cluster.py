@@ -146,6 +146,7 @@ class LocalCluster:
                 "--save-every", str(j.checkpoint_every), "--steps-log", str(self.steps_log),
                 "--step-sleep", str(j.step_time), "--dropout", "0", "--max-rollbacks", str(j.max_rollbacks),
                 *(("--peer-replicas", str(j.peer_replicas)) if j.peer_replicas != 1 else ()),
+                *(("--memory-every", str(j.memory_every)) if j.memory_every else ()),
                 *(("--restore-read-mbps", str(j.restore_read_mbps)) if j.restore_read_mbps > 0 else ())]
 
     def start_agent(self, node: str) -> None:

@@ -87,8 +87,10 @@ class JobSpec:
     script: str = "examples/train_gpt.py"
     max_rollbacks: int = 3  # training-health rollbacks allowed within 1,000 steps before the job gives up
     # examples/train_gpt.py only: buddy replicas per rank (TrainerConfig.peer), and a budget for a
-    # restore's reads from storage in MB/s per rank (0: none; a slow shared file system)
+    # restore's reads from storage in MB/s per rank (0: none; a slow shared file system), and a
+    # memory generation (a restore point kept in peers' memory) every this many steps (0: none)
     peer_replicas: int = 1
+    memory_every: int = 1
     restore_read_mbps: float = 0.0
 
 
@@ -207,6 +209,7 @@ def _validate(s: Scenario) -> None:
         (j.checkpoint_every >= 1, "job.checkpoint_every", "must be >= 1"),
         (j.zero_stage in (0, 1, 2, 3), "job.zero_stage", "must be 0, 1, 2 or 3"),
         (j.max_rollbacks >= 0, "job.max_rollbacks", "must be >= 0"),
+        (j.memory_every >= 0, "job.memory_every", "must be >= 0 (0: no memory generations)"),
     ]
     for ok, name, why in checks:
         if not ok:

@@ -28,11 +28,12 @@ from stalwart.ckpt.errors import (
 )
 from stalwart.ckpt.export import FORMATS as EXPORT_FORMATS
 from stalwart.ckpt.export import ExportFailed, ExportReport, export
+from stalwart.ckpt.format import decode_metadata, encode_metadata
 from stalwart.ckpt.layout import Box, Region, split_evenly
 from stalwart.ckpt.loader import LoadResult, load
 from stalwart.ckpt.retention import GcReport, RetentionPolicy, collect_garbage
 from stalwart.ckpt.saver import Checkpointer, CommitInfo, CommittedSnapshot, SaveConfig, SaveHandle
-from stalwart.ckpt.shard import Shard
+from stalwart.ckpt.shard import Shard, host_copy
 from stalwart.ckpt.storage import CheckpointInfo, atomic_write, list_checkpoints, read_manifest, set_aside
 from stalwart.ckpt.verify import VerifyReport, inspect, verify
 
@@ -72,7 +73,10 @@ __all__ = [
     "atomic_write",
     "collect_garbage",
     "default_coordinator",
+    "decode_metadata",
+    "encode_metadata",
     "export",
+    "host_copy",
     "inspect",
     "list_checkpoints",
     "load",

@@ -75,6 +75,17 @@ def entries_for_save(state: Mapping[str, torch.Tensor | Shard], rank: int, world
     return sorted(out, key=lambda e: e.name)
 
 
+def host_copy(state: Mapping[str, torch.Tensor | Shard], rank: int,
+              world_size: int) -> dict[str, tuple[Region, torch.Tensor]]:
+    """What a save of ``state`` by ``rank`` would write, as 1-D host copies by name: an in-memory
+    restore point laid out exactly as a checkpoint's part (so it reshards like one)."""
+    out = {}
+    for e in entries_for_save(state, rank, world_size):
+        flat = e.tensor.detach().reshape(-1)
+        out[e.name] = (e.region, torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat))
+    return out
+
+
 def entries_for_load(targets: Mapping[str, torch.Tensor | Shard]) -> list[Entry]:
     """Destinations of a load; a plain tensor asks for the whole tensor of its shape."""
     out = []

@@ -131,6 +131,9 @@ def main() -> None:
                              "batches: the script's own loop (a lost peer ends the process)")
     parser.add_argument("--peer-replicas", type=int, default=PeerConfig.replicas,
                         help="buddy copies of each rank's checkpoint part on other nodes (0: none)")
+    parser.add_argument("--memory-every", type=int, default=PeerConfig.memory_every,
+                        help="a memory generation (a restore point in peers' memory, never written) after every "
+                             "N steps that are not saves (0: none)")
     parser.add_argument("--restore-read-mbps", type=float, default=None,
                         help="budget of a restore's reads from storage, MB/s per rank (default: none)")
     parser.add_argument("--collective-timeout", type=float, default=TrainerConfig.collective_timeout_s,
@@ -181,7 +184,8 @@ def main() -> None:
         checkpoint_dir=args.ckpt_dir, global_batch=args.global_batch, micro_batch=args.micro_batch,
         dataset_len=args.dataset_len, total_steps=args.steps, seed=args.seed, save_every_steps=args.save_every,
         save_every_seconds=args.save_every_seconds, record_path=args.steps_log,
-        collective_timeout_s=args.collective_timeout, peer=PeerConfig(replicas=args.peer_replicas),
+        collective_timeout_s=args.collective_timeout,
+        peer=PeerConfig(replicas=args.peer_replicas, memory_every=args.memory_every),
         restore_read_bytes_per_s=args.restore_read_mbps * 1e6 if args.restore_read_mbps else None,
         health=HealthConfig(
             enabled=not args.no_health, spike_window=args.spike_window, spike_threshold=args.spike_threshold,

@@ -93,6 +93,10 @@ class ClientStates:
         if name in self._restored:
             piece.load(self._restored[name])
 
+    @property
+    def registered(self) -> bool:
+        return bool(self._pieces)
+
     def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Every piece's state now: (checkpoint tensors, JSON metadata)."""
         tensors: dict[str, torch.Tensor] = {}

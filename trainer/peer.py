@@ -5,7 +5,8 @@ and the first thing to fail at scale). After every commit each rank pushes its h
 it saved (:class:`~stalwart.ckpt.CommittedSnapshot`) to ``replicas`` buddy ranks on other nodes;
 a re-forming world then rebuilds every rank's new partition from live memory (its own copy, the
 copies it holds for others, and what it pulls from the ranks that hold the rest) and reads from
-storage only what no live process holds.
+storage only what no live process holds. The same channel and buddies carry the parts of memory
+generations (restore points between commits, ``trainer/generations.py``).
 
 The replicas travel over a side channel of plain TCP (one listener per process, for the process's
 life: a replica must outlive the world that made it), not over the training process groups:
@@ -36,8 +37,10 @@ from typing import Any
 
 import torch
 
-from stalwart.ckpt import CommittedSnapshot, Region, SaveHandle, Shard
+from stalwart.ckpt import CommittedSnapshot, SaveHandle, Shard
 from stalwart.proto.contract import ENV_NODE
+from stalwart.trainer.generations import Generation, MemoryStore
+from stalwart.trainer.peer_fill import fill_from_parts, useful
 from stalwart.trainer.peer_wire import (
     Part,
     PeerError,
@@ -64,17 +67,21 @@ class PeerConfig:
     stops answering (its node lost, its link cut since it said what it holds) is given up after
     this long without a byte, and its part is read from storage. ``bind_host``: the listener's address (default every
     interface of the process's network namespace; the advertised one is the route to the world's
-    master)."""
+    master). ``memory_every``: take a memory generation (``trainer/generations.py``) after every
+    step divisible by it that is not a save, a restore point that is never written (0: none)."""
 
     replicas: int = 1
     memory_limit_bytes: int | None = None
     timeout_s: float = 60.0
     pull_timeout_s: float = 3.0
     bind_host: str = "0.0.0.0"
+    memory_every: int = 0
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
             raise ValueError(f"peer replicas must be >= 0, got {self.replicas}")
+        if self.memory_every < 0:
+            raise ValueError(f"peer memory_every must be >= 0 (0: off), got {self.memory_every}")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes < 0:
             raise ValueError(f"peer memory_limit_bytes must be >= 0 or None, got {self.memory_limit_bytes}")
         if self.timeout_s <= 0 or self.pull_timeout_s <= 0:
@@ -118,80 +125,6 @@ def buddies(nodes: Sequence[str], rank: int, replicas: int) -> list[int]:
     return chosen
 
 
-def fill_from_parts(targets: dict[str, torch.Tensor | Shard],
-                    parts: Sequence[Part]) -> tuple[dict[str, torch.Tensor | Shard], dict[int, int]]:
-    """Copy into ``targets`` what ``parts`` (of one step) hold; returns the targets still to read
-    from storage and the bytes copied per origin rank.
-
-    Parts are applied in rank order, so a flat range spanning several ranks' partitions is
-    covered from its start on (the loader takes one region per name: a range covered only in its
-    middle stays whole for storage). Bitwise what the loader would have read: each part is what
-    its rank wrote.
-    """
-    rest = dict(targets)
-    copied: dict[int, int] = {}
-    for part in sorted(parts, key=lambda p: p.rank):
-        n = 0
-        for name, (region, data) in part.tensors.items():
-            target = rest.get(name)
-            if target is None:
-                continue
-            left, got = _fill_one(target, region, data)
-            n += got
-            if left is None:
-                del rest[name]
-            else:
-                rest[name] = left
-        if n:
-            copied[part.rank] = copied.get(part.rank, 0) + n
-    return rest, copied
-
-
-def _fill_one(target: torch.Tensor | Shard, region: Region,
-              data: torch.Tensor) -> tuple[torch.Tensor | Shard | None, int]:
-    """Fill ``target`` from one held region: (what is left of it, or None; bytes copied)."""
-    if isinstance(target, Shard):
-        t, tr = target.tensor, target.region
-        if (tr.flat is None or region.flat is None or tuple(tr.shape) != tuple(region.shape)
-                or data.dtype != t.dtype or not t.is_contiguous() or t.device.type != "cpu"):
-            return target, 0
-        (a, b), (c, d) = tr.flat, region.flat
-        i, j = max(a, c), min(b, d)
-        if i >= j or (i > a and j < b):
-            return target, 0
-        flat = t.view(-1)
-        flat[i - a : j - a].copy_(data[i - c : j - c])
-        copied = (j - i) * t.element_size()
-        if i > a:
-            return Shard.flat(flat[: i - a], tr.shape, a), copied
-        if j < b:
-            return Shard.flat(flat[j - a :], tr.shape, j), copied
-        return None, copied
-    if (region.box is not None and tuple(region.shape) == tuple(target.shape) and region.numel == target.numel()
-            and data.dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu"):
-        target.view(-1).copy_(data)  # a replicated tensor that rank wrote whole
-        return None, target.numel() * target.element_size()
-    return target, 0
-
-
-def _useful(summary: dict[str, Any], targets: dict[str, torch.Tensor | Shard]) -> list[str]:
-    """The names of a part (its summary) that overlap what is still to fill."""
-    names = []
-    for name, reg in summary["tensors"].items():
-        target = targets.get(name)
-        if target is None:
-            continue
-        if isinstance(target, Shard):
-            flat = target.region.flat
-            if flat is not None and "flat" in reg and list(target.region.shape) == reg["shape"]:
-                c, d = reg["flat"]
-                if max(flat[0], c) < min(flat[1], d):
-                    names.append(name)
-        elif "lengths" in reg and list(target.shape) == reg["shape"] == reg["lengths"]:
-            names.append(name)
-    return names
-
-
 class PeerReplicas:
     """This process's replica store: its listener, its own part, the copies it holds for others.
 
@@ -210,8 +143,10 @@ class PeerReplicas:
         self._token = ""
         self._rank = 0
         self._targets: list[tuple[int, str, int]] = []  # buddy rank, host, port
-        self._pushing = threading.Lock()
         self._next_push: tuple[SaveHandle, int] | None = None
+        self._next_memory: Part | None = None
+        self._push_running = False
+        self.memory = MemoryStore()
         self._listener = socket.create_server((config.bind_host, 0), reuse_port=False)
         self.port = int(self._listener.getsockname()[1])
         self._closed = False
@@ -258,54 +193,71 @@ class PeerReplicas:
                 self._own = part
                 self._committed = max(self._committed, part.step)
                 self._prune()
+        self.memory.committed(part.step)
         return part
+
+    def keep_generation(self, part: Part) -> None:
+        """Keep ``part`` (this rank's part of a memory generation) and push it to the buddies on
+        the push thread, after any save waiting there."""
+        if self.memory.keep_own(part):
+            self._queue(memory=part)
 
     def replicate(self, handle: SaveHandle, rank: int) -> None:
         """Push this rank's part of the save ``handle`` to the buddies as soon as its snapshot is
         complete (before the commit: a peer then usually holds a step by the time it is committed).
         Returns at once; a push still running takes the newest save when done, older ones are
         skipped."""
+        self._queue(save=(handle, rank))
+
+    def _queue(self, save: tuple[SaveHandle, int] | None = None, memory: Part | None = None) -> None:
         with self._lock:
             if not self._targets:
                 return
-            busy = self._next_push is not None
-            self._next_push = (handle, rank)
-        if not busy:
+            if save is not None:
+                self._next_push = save
+            if memory is not None:
+                self._next_memory = memory
+            start, self._push_running = not self._push_running, True
+        if start:
             threading.Thread(target=self._push_loop, name="stalwart-peer-push", daemon=True).start()
 
     def _push_loop(self) -> None:
         while True:
             with self._lock:
-                pending = self._next_push
+                save, memory = self._next_push, self._next_memory
+                if save is not None:
+                    self._next_push = None
+                elif memory is not None:
+                    self._next_memory = None
+                else:
+                    self._push_running = False
+                    return
                 targets, token = list(self._targets), self._token
-            if pending is None:
-                return
-            handle, rank = pending
-            handle.wait_snapshot(self.config.timeout_s)
-            snapshot = handle.host_copy()
-            part = None if snapshot is None else Part(snapshot.step, rank, dict(snapshot.tensors))
+            part = memory
+            if save is not None:
+                handle, rank = save
+                handle.wait_snapshot(self.config.timeout_s)
+                snapshot = handle.host_copy()
+                part = None if snapshot is None else Part(snapshot.step, rank, dict(snapshot.tensors))
             for buddy, host, port in targets if part is not None else []:
                 assert part is not None
                 started = time.monotonic()
                 try:
                     self._push(part, host, port, token)
                     took = time.monotonic() - started
-                    self.pushed.append({"step": part.step, "to": buddy, "bytes": part.nbytes, "s": took})
-                    log.info("rank %d: step %d part (%d bytes) replicated to rank %d in %.3fs", part.rank, part.step,
-                             part.nbytes, buddy, took)
+                    self.pushed.append({"step": part.step, "to": buddy, "bytes": part.nbytes, "s": took,
+                                        "memory": bool(part.tag)})
+                    log.info("rank %d: step %d %spart (%d bytes) replicated to rank %d in %.3fs", part.rank,
+                             part.step, "memory " if part.tag else "", part.nbytes, buddy, took)
                 except (OSError, PeerError) as exc:
-                    self.failed.append({"step": part.step, "to": buddy, "error": str(exc)})
-                    log.warning("rank %d: step %d part not replicated to rank %d: %s", part.rank, part.step,
-                                buddy, exc)
-            with self._lock:
-                if self._next_push is pending:
-                    self._next_push = None
-                    return
+                    self.failed.append({"step": part.step, "to": buddy, "error": str(exc), "memory": bool(part.tag)})
+                    log.warning("rank %d: step %d %spart not replicated to rank %d: %s", part.rank, part.step,
+                                "memory " if part.tag else "", buddy, exc)
 
     def _push(self, part: Part, host: str, port: int, token: str) -> None:
         layout, size = entries(part)
         header = {"op": "put", "token": token, "step": part.step, "rank": part.rank, "entries": layout,
-                  "size": size, "digest": digest(part)}
+                  "size": size, "digest": digest(part), **_generation_header(part)}
         with socket.create_connection((host, port), timeout=self.config.timeout_s) as s:
             send_header(s, header)
             for chunk in chunks(part):
@@ -321,7 +273,7 @@ class PeerReplicas:
         while True:
             with self._lock:
                 targets = {b for b, _, _ in self._targets}
-                busy = self._next_push is not None
+                busy = self._push_running
             if targets <= {e["to"] for e in self.pushed if e["step"] >= step}:
                 return True
             if not busy or time.monotonic() > deadline:
@@ -373,7 +325,7 @@ class PeerReplicas:
             for s in parts:
                 if s["step"] == step and s["rank"] not in local_origins and s["rank"] not in holder:
                     holder[int(s["rank"])] = (r, s)
-        wanted = {origin: names for origin, (_, s) in holder.items() if (names := _useful(s, targets))}
+        wanted = {origin: names for origin, (_, s) in holder.items() if (names := useful(s, targets))}
         pulled: list[Part] = []
         if wanted:
             with self._lock:
@@ -401,9 +353,18 @@ class PeerReplicas:
                 result.pulled[origin] = holder[origin][0]
         return rest, result
 
-    def _pull(self, peer: tuple[str, int], token: str, step: int, origin: int, names: list[str]) -> Part:
+    def pull_generation(self, holder: int, origin: int, gen: Generation, names: list[str] | None) -> Part:
+        """``origin``'s part of memory generation ``gen`` from rank ``holder`` of this world
+        (``names``: the tensors wanted; ``None``: its metadata alone)."""
+        with self._lock:
+            token, peer = self._token, self._peers[holder]
+        return self._pull(peer, token, gen.step, origin, names or [], tag=gen.tag, tensors=names is not None)
+
+    def _pull(self, peer: tuple[str, int], token: str, step: int, origin: int, names: list[str], *,
+              tag: str = "", tensors: bool = True) -> Part:
         with socket.create_connection(peer, timeout=self.config.pull_timeout_s) as s:
-            send_header(s, {"op": "get", "token": token, "step": step, "rank": origin, "names": names})
+            send_header(s, {"op": "get", "token": token, "step": step, "rank": origin, "names": names, "tag": tag,
+                            "tensors": tensors})
             header = recv_header(s)
             if not header.get("ok"):
                 raise PeerError(str(header.get("error", "refused")))
@@ -444,12 +405,16 @@ class PeerReplicas:
         limit = self.config.memory_limit_bytes
         with self._lock:
             held = sum(p.nbytes for parts in self._held.values() for p in parts.values())
+        held += self.memory.held_bytes
         if limit is not None and held + size > limit:
             drain(conn, size)
             log.warning("rank %d: refused rank %d's step %d part (%d bytes): the copies would hold %d bytes, over "
                         "the limit of %d", self._rank, origin, step, size, held + size, limit)
             return {"ok": False, "error": f"over this rank's peer memory limit ({limit} bytes)"}
         part = recv_part(conn, header, step, origin)
+        if part.tag:
+            refused = self.memory.accept(part)
+            return {"ok": refused is None, **({"error": refused} if refused else {})}
         with self._lock:
             if step < self._committed:
                 return {"ok": False, "error": f"stale: step {self._committed} is committed already"}
@@ -462,26 +427,43 @@ class PeerReplicas:
 
     def _serve_get(self, conn: socket.socket, header: dict[str, Any]) -> None:
         step, origin, names = int(header["step"]), int(header["rank"]), set(header.get("names") or ())
+        tag = str(header.get("tag", ""))
         with self._lock:
-            if self._own is not None and (self._own.rank, self._own.step) == (origin, step):
-                part: Part | None = self._own
+            if tag:
+                part: Part | None = None
+            elif self._own is not None and (self._own.rank, self._own.step) == (origin, step):
+                part = self._own
             else:
                 part = self._held.get(origin, {}).get(step)
+        if tag:
+            part = self.memory.get(tag, step, origin)
         if part is None:
             send_header(conn, {"ok": False, "error": f"no part of rank {origin} at step {step} here"})
             return
-        sub = Part(step, origin, {n: v for n, v in part.tensors.items() if not names or n in names})
+        keep = header.get("tensors", True)
+        sub = Part(step, origin, {n: v for n, v in part.tensors.items() if keep and (not names or n in names)},
+                   tag=part.tag, world=part.world, meta=part.meta)
         layout, size = entries(sub)
-        send_header(conn, {"ok": True, "entries": layout, "size": size, "digest": digest(sub)})
+        send_header(conn, {"ok": True, "entries": layout, "size": size, "digest": digest(sub),
+                           **_generation_header(sub)})
         for chunk in chunks(sub):
             conn.sendall(chunk)
 
     def close(self) -> None:
         self._closed = True
         try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone leaves it serving)
+        except OSError:
+            pass
+        try:
             self._listener.close()
         except OSError:
             pass
+
+
+def _generation_header(part: Part) -> dict[str, Any]:
+    """The header fields of a memory generation's part (none for a committed step's)."""
+    return {"tag": part.tag, "world": part.world, "meta": part.meta} if part.tag else {}
 
 
 def _route_to(host: str) -> str:

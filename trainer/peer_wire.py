@@ -32,19 +32,26 @@ _DTYPES: dict[str, torch.dtype] = {str(d): d for d in (
 
 @dataclass
 class Part:
-    """One rank's part of one committed step: ``tensors`` maps a name to the region of the
-    global tensor and a 1-D view of its elements, as in :class:`~stalwart.ckpt.CommittedSnapshot`."""
+    """One rank's part of one step: ``tensors`` maps a name to the region of the global tensor
+    and a 1-D view of its elements, as in :class:`~stalwart.ckpt.CommittedSnapshot`.
+
+    A part of a committed checkpoint has no ``tag``. A memory generation's part (see
+    ``trainer/generations.py``) has its lineage as ``tag``, the size of the world that took it,
+    and the step's metadata as a checkpoint would hold it (encoded: JSON values only)."""
 
     step: int
     rank: int  # its rank in the world that saved it
     tensors: dict[str, tuple[Region, torch.Tensor]]
+    tag: str = ""
+    world: int = 0
+    meta: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.tensors.values())
 
     def summary(self) -> dict[str, Any]:
-        return {"step": self.step, "rank": self.rank, "nbytes": self.nbytes,
+        return {"step": self.step, "rank": self.rank, "nbytes": self.nbytes, "tag": self.tag, "world": self.world,
                 "tensors": {n: r.to_json() | {"shape": list(r.shape)} for n, (r, _) in self.tensors.items()}}
 
 
@@ -106,7 +113,9 @@ def recv_part(conn: socket.socket, header: dict[str, Any], step: int, origin: in
         if data.numel() != int(e["numel"]):
             raise PeerError(f"tensor {e['name']!r}: {data.numel()} elements, header says {e['numel']}")
         tensors[str(e["name"])] = (Region.from_json(e["shape"], e["region"]), data)
-    return Part(step, origin, tensors)
+    meta = header.get("meta")
+    return Part(step, origin, tensors, tag=str(header.get("tag", "")), world=int(header.get("world", 0)),
+                meta=meta if isinstance(meta, dict) else None)
 
 
 def send_header(conn: socket.socket, header: dict[str, Any]) -> None:

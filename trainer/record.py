@@ -2,7 +2,8 @@
 
 Rank 0 appends one JSON line per event to a file (``TrainerConfig.record_path``):
 
-- ``{"event": "restore", "step": S, ...}`` — a run started from checkpoint step ``S`` (0: none);
+- ``{"event": "restore", "step": S, "source": "storage" | "memory", ...}`` — a run started from
+  checkpoint step ``S`` (0: none), or from a memory generation of step ``S`` (``generations.py``);
   steps above ``S`` recorded by earlier runs were lost and will be redone;
 - ``{"event": "step", "step": k, "epoch": e, "world_size": w, "loss": x, "grad_norm": g,
   "samples": [...]}`` (``"update_skipped": true`` when fp16 overflow made DeepSpeed drop the update);

@@ -2,7 +2,8 @@
 
 :class:`RestoreMixin` is the part of :class:`~stalwart.trainer.Trainer` that loads the newest
 good checkpoint resharded to the current world (at start, after a re-form, or to roll back), from
-the process's own host copy and peers' replicas first and from storage for the rest, and refuses
+the process's own host copy and peers' replicas first and from storage for the rest (or, newer
+than any checkpoint, a memory generation: ``generations.py``), and refuses
 one that does not fit the model or the data order. The trainer metadata and RNG streams a save
 writes are defined here beside the code that reads them back.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import secrets
 from dataclasses import replace
 from typing import Any
 
@@ -32,6 +34,7 @@ from stalwart.ckpt import (
 from stalwart.trainer.batching import DataPosition
 from stalwart.trainer.config import RestoreInfo
 from stalwart.trainer.errors import IncompatibleCheckpoint, ReformFailed
+from stalwart.trainer.generations import restore_from_memory
 from stalwart.trainer.health import HealthMonitor, RollbackLedger, read_journal
 from stalwart.trainer.peer import Part, PeerFill, fill_from_parts
 
@@ -65,16 +68,51 @@ class RestoreMixin:
         are copied from it and only the rest is read from disk. Should the loader fall back to
         an older step (the newest one is corrupt somewhere), every rank loads that step again
         from disk alone, so no rank mixes two steps.
+
+        With peer replicas, and neither a step cap nor a rollback, a complete memory generation
+        newer than the newest commit (``trainer/generations.py``) is taken first. Every restore
+        that succeeds starts a new lineage of memory generations (rank 0 picks its tag).
         """
         root = self.config.checkpoint_dir
         if self.rank == 0:
             steps = [c.step for c in list_checkpoints(root)
                      if c.committed and (max_step is None or c.step <= max_step)]  # fmt: skip
             found = {"any": bool(steps), "journal": read_journal(root) if steps and not rollback else [],
-                     "newest": max(steps) if steps else None}
+                     "newest": max(steps) if steps else None, "lineage": secrets.token_hex(8)}
             self._coord.broadcast(json.dumps(found).encode(), self.config.commit_timeout_s)
         else:
             found = json.loads(self._coord.broadcast(None, self.config.commit_timeout_s))
+        restored = None
+        if self.peers is not None and max_step is None and not rollback:
+            restored = self._restore_from_memory(found)
+        if restored is None:
+            restored = self._restore_from_storage(found, max_step, rollback=rollback, required=required, host=host)
+        if self.peers is not None and restored is not None:
+            self.peers.memory.reset(str(found["lineage"]))  # what memory holds is of another trajectory now
+        return restored
+
+    def _restore_from_memory(self, found: dict[str, Any]) -> RestoreInfo | None:
+        """The newest complete memory generation above the newest commit, or ``None`` on every rank."""
+        assert self.peers is not None
+        self.state.ensure_optimizer_state()
+        targets, staged = self.state.load_targets()
+        newest = found["newest"] if found["newest"] is not None else 0
+        got = restore_from_memory(self.peers.memory, self.peers.pull_generation, targets, newest, self._control,
+                                  self.rank, self.world_size)
+        if got is None:
+            return None
+        step, saved_world, meta = got.generation.step, got.generation.world, got.trainer_meta
+        self._apply_state(staged, meta, step)
+        self.client_state.restore(self.config.checkpoint_dir, step, None, self._coord, self.config.commit_timeout_s)
+        self._apply_streams(got.rng, step, meta, found["journal"])
+        self._peer_fill = PeerFill(got.own_bytes, got.held_bytes, got.pulled_bytes, dict(got.pulled))
+        self._record_restore(step, saved_world, "memory", got.own_bytes, got.held_bytes + got.pulled_bytes, 0, [],
+                             rollback=False)
+        return RestoreInfo(step, DataPosition.from_json(meta["position"]), saved_world)
+
+    def _restore_from_storage(self, found: dict[str, Any], max_step: int | None, *, rollback: bool, required: bool,
+                              host: CommittedSnapshot | None) -> RestoreInfo | None:
+        root = self.config.checkpoint_dir
         if not found["any"]:
             if rollback:
                 return None
@@ -119,12 +157,6 @@ class RestoreMixin:
         mismatch = self._incompatible(result.step)
         if mismatch is not None:
             raise mismatch
-        self._restore_bytes = (host_bytes, result.bytes_read)
-        peer_bytes = self._peer_fill.held_bytes + self._peer_fill.pulled_bytes
-        # The world's restore sources, for the record: bytes from own memory, peers' memory, storage.
-        sources = torch.tensor([host_bytes, peer_bytes, result.bytes_read], dtype=torch.int64)
-        dist.all_reduce(sources, group=self._control)
-        world_host, world_peer, world_disk = (int(v) for v in sources.tolist())
         for step, reason in result.skipped:
             log.warning("rank %d: skipped checkpoint step %d: %s", self.rank, step, reason)
         if result.skipped:
@@ -134,31 +166,53 @@ class RestoreMixin:
                     set_aside(root, step)
             if dist.is_initialized():
                 dist.barrier()
-        self.state.apply_loaded(staged)
         meta = result.metadata[0]["trainer"]
-        self._check_data(meta, result.step)
-        self.state.apply_metadata(meta["zero"])
+        self._apply_state(staged, meta, result.step)
         self.client_state.restore(root, result.step, result.metadata[0].get("client"), self._coord,
                                   self.config.commit_timeout_s)
         saved_world = result.world_size
-        if self.rank < saved_world:
-            _set_rng_state(result.metadata[self.rank]["rng"])
+        self._apply_streams(result.metadata[self.rank]["rng"] if self.rank < saved_world else None, result.step,
+                            meta, found["journal"])
+        self._record_restore(result.step, saved_world, "storage", host_bytes,
+                             self._peer_fill.held_bytes + self._peer_fill.pulled_bytes, result.bytes_read,
+                             [s for s, _ in result.skipped], rollback=rollback)
+        return RestoreInfo(result.step, DataPosition.from_json(meta["position"]), saved_world, result.skipped)
+
+    def _apply_state(self, staged: Any, meta: dict[str, Any], step: int) -> None:
+        """The loaded tensors and the ZeRO metadata of ``step`` into the engine (both sources)."""
+        self.state.apply_loaded(staged)
+        self._check_data(meta, step)
+        self.state.apply_metadata(meta["zero"])
+
+    def _apply_streams(self, rng: dict[str, Any] | None, step: int, meta: dict[str, Any],
+                       journal: list[Any]) -> None:
+        """This rank's RNG streams (a fresh one when the world grew past the saved one) and the
+        training-health history of ``step``, with the journal's rollbacks."""
+        if rng is not None:
+            _set_rng_state(rng)
         else:
-            _seed_rng(self.config.seed * 1_000_003 + result.step * 1009 + self.rank)
+            _seed_rng(self.config.seed * 1_000_003 + step * 1009 + self.rank)
         health = meta.get("health") or {}
         self.health = HealthMonitor(self.config.health, health.get("history", []))
         self.ledger.merge(RollbackLedger.from_json(health.get("rollbacks", [])).rollbacks)
-        self.ledger.merge(RollbackLedger.from_json(found["journal"]).rollbacks)
-        log.info("rank %d round %d: restored step %d (saved by %d ranks, now %d)%s; %d bytes from its own memory, "
-                 "%d from peer replicas, %d read from storage", self.rank, self.round, result.step, saved_world,
-                 self.world_size, " to roll back" if rollback else "", host_bytes, peer_bytes, result.bytes_read)
+        self.ledger.merge(RollbackLedger.from_json(journal).rollbacks)
+
+    def _record_restore(self, step: int, saved_world: int, source: str, host_bytes: int, peer_bytes: int,
+                        disk_bytes: int, skipped: list[int], *, rollback: bool) -> None:
+        """Log the restore and write its record (collective: the world's bytes by source)."""
+        self._restore_bytes = (host_bytes, disk_bytes)
+        sources = torch.tensor([host_bytes, peer_bytes, disk_bytes], dtype=torch.int64)
+        dist.all_reduce(sources, group=self._control)
+        world_host, world_peer, world_disk = (int(v) for v in sources.tolist())
+        log.info("rank %d round %d: restored step %d from %s (saved by %d ranks, now %d)%s; %d bytes from its own "
+                 "memory, %d from peer replicas, %d read from storage", self.rank, self.round, step, source,
+                 saved_world, self.world_size, " to roll back" if rollback else "", host_bytes, peer_bytes,
+                 disk_bytes)
         if not rollback:
-            self.recorder.write("restore", step=result.step, world_size=self.world_size,
-                                saved_world_size=saved_world, skipped=[s for s, _ in result.skipped],
-                                rollbacks=len(self.ledger), host_bytes=host_bytes, peer_bytes=peer_bytes,
-                                disk_bytes=result.bytes_read, world_host_bytes=world_host,
+            self.recorder.write("restore", step=step, world_size=self.world_size, saved_world_size=saved_world,
+                                source=source, skipped=skipped, rollbacks=len(self.ledger), host_bytes=host_bytes,
+                                peer_bytes=peer_bytes, disk_bytes=disk_bytes, world_host_bytes=world_host,
                                 world_peer_bytes=world_peer, world_disk_bytes=world_disk)  # fmt: skip
-        return RestoreInfo(result.step, DataPosition.from_json(meta["position"]), saved_world, result.skipped)
 
     def _check_data(self, meta: dict[str, Any], step: int) -> None:
         c = self.config

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stalwart.ckpt import CommitInfo, SaveHandle
+from stalwart.ckpt import CommitInfo, LayoutMismatch, SaveHandle, encode_metadata, host_copy
+from stalwart.trainer.peer_wire import Part
 from stalwart.trainer.restore import _rng_state
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,28 @@ class SavesMixin:
         self._last_saved = self.step
         self._last_save_time = time.monotonic()
         return handle
+
+    def _memory_due(self) -> bool:
+        """Whether the step just closed (not a save) gets a memory generation: every rank
+        decides alike, from the configuration and the step."""
+        every = self.config.peer.memory_every
+        return (self.peers is not None and every > 0 and self.step % every == 0
+                and not self.client_state.registered)  # fmt: skip
+
+    def _keep_generation(self) -> None:
+        """This rank's part of a memory generation of the current step (``trainer/generations.py``):
+        what a save would write, with its metadata, copied to host memory and pushed to the
+        buddies in the background; never written to storage."""
+        assert self.peers is not None
+        self.state.ensure_optimizer_state()
+        try:
+            meta = encode_metadata({"trainer": self._trainer_meta(), "rng": _rng_state()})
+        except LayoutMismatch as exc:  # a save of this step would fail the same way
+            log.warning("rank %d step %d: no memory generation: %s", self.rank, self.step, exc)
+            return
+        tensors = host_copy(self.state.save_tensors(), self.rank, self.world_size)
+        self.peers.keep_generation(Part(self.step, self.rank, tensors, tag=self.peers.memory.lineage,
+                                        world=self.world_size, meta=meta))
 
     def finish(self) -> CommitInfo | None:
         """Save the current step unless saved already, wait for its commit, release resources.

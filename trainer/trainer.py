@@ -411,6 +411,8 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
             flags[2].item() > 0 or (cfg.save_every_steps is not None and self.step % cfg.save_every_steps == 0)
         ):
             self.save()
+        elif fault is None and self._memory_due():
+            self._keep_generation()
         return mean_loss
 
     # --- internals -----------------------------------------------------------------------------

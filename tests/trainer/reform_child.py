@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--zero-stage", type=int, default=1)
     ap.add_argument("--node", default=None, help="this process's node (STALWART_NODE: peer replica placement)")
     ap.add_argument("--no-peers", action="store_true", help="no peer replicas (PeerConfig(replicas=0))")
+    ap.add_argument("--memory-every", type=int, default=0, help="PeerConfig.memory_every (memory generations)")
     args = ap.parse_args()
     if args.node:
         os.environ["STALWART_NODE"] = args.node
@@ -102,7 +103,8 @@ def main() -> None:
                            total_steps=args.steps, save_every_steps=args.save_every, keep_last=20,
                            record_path=args.steps_log, collective_timeout_s=args.collective_timeout,
                            reform_wait_s=args.reform_wait, dist_timeout_s=args.dist_timeout, commit_timeout_s=20.0,
-                           peer=PeerConfig(replicas=0 if args.no_peers else 1))
+                           peer=PeerConfig(replicas=0 if args.no_peers else 1,
+                                           memory_every=args.memory_every))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     try:
         trainer = Trainer.initialize(model, ds_config, config, optimizer=optimizer,
@@ -135,6 +137,8 @@ def main() -> None:
             trainer.checkpointer.wait()  # the committed checkpoint the others will resume from
             if trainer.peers is not None:  # its replica, pushed after the snapshot, has arrived
                 trainer.peers.wait_pushed(trainer.checkpointer.committed_snapshot().step, 30.0)
+                if args.memory_every:  # and the memory generation of the step just closed
+                    trainer.peers.wait_pushed(s, 30.0)
             marker = "killed" if s == args.kill_at_step else "stopped"
             (out / f"{args.name}.{marker}").write_text(json.dumps({"time": time.time(), "step": s}))
             os.kill(os.getpid(), signal.SIGKILL if marker == "killed" else signal.SIGSTOP)
