@@ -43,6 +43,18 @@ UNDO_CALL_S = 2.0  # the deadline of an undo's call to an agent: the runner wait
 AGENT_HANDOFF_AFTER = 0.2  # `systemctl restart`: the next agent starts as soon as the old one exited
 
 
+def fault_target(spec: FaultSpec, members: list[str], cut: set[str]) -> str:
+    """The node a fault aimed at ``spec.node`` goes to. A fault on a worker needs one: a node out
+    of the world just now (warming a spare) has none, and one whose link is ``cut`` cannot be
+    told (the call would hold the runner, and every undo due meanwhile, until its deadline), so
+    such a fault goes to the first member that can be reached instead."""
+    assert spec.node is not None
+    reachable = sorted(m for m in members if m not in cut)
+    if spec.kind in WORKER_FAULTS and reachable and spec.node not in reachable:
+        return reachable[0]
+    return spec.node
+
+
 @dataclass
 class _Active:
     spec: FaultSpec
@@ -224,11 +236,7 @@ class _Run:
     def _target(self, spec: FaultSpec) -> str:
         members = self.cluster.members()
         if spec.node is not None:
-            # A fault aimed at a worker needs one: a node that is out of the world just now
-            # (warming a spare, cut off) has none, so the fault goes to a member instead.
-            if spec.kind in WORKER_FAULTS and members and spec.node not in members:
-                return sorted(members)[0]
-            return spec.node
+            return fault_target(spec, members, {m for m in members if self._cut_off(m, None)})
         return self.rng.choice(members or self.s.node_names())
 
     def _inject(self, spec: FaultSpec) -> bool:
@@ -258,6 +266,8 @@ class _Run:
 
     def _apply(self, a: _Active, target: str) -> str:
         kind, c = a.spec.kind, self.cluster
+        if kind in (*WORKER_FAULTS, "gpu-fault") and self._cut_off(target, None):
+            raise RuntimeError(f"the link of {target} is cut: its agent cannot be told")  # tried again shortly
         if kind in ("kill-worker", "hang-worker"):
             fault = agent_pb2.FAULT_KILL_WORKER if kind == "kill-worker" else agent_pb2.FAULT_HANG_WORKER
             reply = c.agent_call(target, "InjectFault", agent_pb2.FaultRequest(kind=fault, device=a.spec.rank))
@@ -388,7 +398,7 @@ class _Run:
         self.corrupted[step] = self.now()
         return step
 
-    def _cut_off(self, target: str, fault: _Active) -> bool:
+    def _cut_off(self, target: str, fault: _Active | None) -> bool:
         """Whether another fault has ``target``'s link down just now (a call to its agent would
         hang until its deadline, and the runner with it)."""
         return any(a is not fault and a.record.kind == "network-cut" and a.record.target == target

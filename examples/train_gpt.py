@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true", help="offload_optimizer to cpu (DeepSpeedCPUAdam)")
     parser.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps")
     parser.add_argument("--save-every-seconds", type=float, default=None)
+    parser.add_argument("--final-save-retry", type=float, default=TrainerConfig.final_save_retry_s,
+                        help="seconds the last save is tried again while it does not commit (a full disk)")
     parser.add_argument("--steps-log", default=None, help="rank 0 appends the step record here")
     parser.add_argument("--step-sleep", type=float, default=0.0,
                         help="simulated accelerator seconds per step (to watch it; a throttled worker is slower)")
@@ -184,6 +186,7 @@ def main() -> None:
         checkpoint_dir=args.ckpt_dir, global_batch=args.global_batch, micro_batch=args.micro_batch,
         dataset_len=args.dataset_len, total_steps=args.steps, seed=args.seed, save_every_steps=args.save_every,
         save_every_seconds=args.save_every_seconds, record_path=args.steps_log,
+        final_save_retry_s=args.final_save_retry,
         collective_timeout_s=args.collective_timeout,
         peer=PeerConfig(replicas=args.peer_replicas, memory_every=args.memory_every),
         restore_read_bytes_per_s=args.restore_read_mbps * 1e6 if args.restore_read_mbps else None,

@@ -48,6 +48,10 @@ class TrainerConfig:
     (``None``: none), so that a whole world restoring at once does not saturate a shared file system.
     ``peer``: buddy replicas of each rank's checkpoint part in other nodes' host memory, the
     first source of a restore (:mod:`~stalwart.trainer.peer`; ``PeerConfig(replicas=0)``: off).
+    ``final_save_retry_s``: how long :meth:`Trainer.finish` keeps trying again a last save that
+    did not commit (a full disk, a write error: each failure is reported to the agent), every
+    ``FINAL_SAVE_RETRY_EVERY_S``; the steps since the previous commit exist nowhere else once
+    the job's processes end. 0: raise at once.
     """
 
     checkpoint_dir: str
@@ -70,6 +74,7 @@ class TrainerConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
     restore_read_bytes_per_s: float | None = None
+    final_save_retry_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.checkpoint_dir:
@@ -91,6 +96,8 @@ class TrainerConfig:
         if min(self.dist_timeout_s, self.commit_timeout_s, self.collective_timeout_s, self.reform_wait_s) <= 0:
             raise ValueError("dist_timeout_s, commit_timeout_s, collective_timeout_s and reform_wait_s "
                              "must be positive")
+        if self.final_save_retry_s < 0:
+            raise ValueError(f"final_save_retry_s must be >= 0, got {self.final_save_retry_s}")
         if self.abort_stuck_after_s is not None and self.abort_stuck_after_s <= 0:
             raise ValueError(f"abort_stuck_after_s must be positive or None, got {self.abort_stuck_after_s}")
         if not isinstance(self.health, HealthConfig):

@@ -14,11 +14,24 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stalwart.ckpt import CommitInfo, LayoutMismatch, SaveHandle, encode_metadata, host_copy
+import torch
+import torch.distributed as dist
+
+from stalwart.ckpt import (
+    CheckpointError,
+    CommitFailed,
+    CommitInfo,
+    LayoutMismatch,
+    SaveHandle,
+    encode_metadata,
+    host_copy,
+    list_checkpoints,
+)
 from stalwart.trainer.peer_wire import Part
 from stalwart.trainer.restore import _rng_state
 
 log = logging.getLogger(__name__)
+FINAL_SAVE_RETRY_EVERY_S = 2.0
 
 
 class SavesMixin:
@@ -68,22 +81,51 @@ class SavesMixin:
 
     def finish(self) -> CommitInfo | None:
         """Save the current step unless saved already, wait for its commit, release resources.
+        Collective. A last save that does not commit is tried again for ``final_save_retry_s``.
 
-        Raises what the last save raised (e.g. :class:`~stalwart.ckpt.CommitFailed`).
+        Raises what the last save raised (e.g. :class:`~stalwart.ckpt.CommitFailed`); the agent
+        is then told the worker failed, not that it finished.
         """
         if self._closed:
             return None
+        committed = False
         try:
-            if self._last_saved != self.step:
-                self.save()
-            return self.checkpointer.wait()
+            info = self._commit_last()
+            committed = True
+            return info
         finally:
             self._closed = True
             self._report_saves()
             self.checkpointer.close()
             if self._old_handler is not None:
                 signal.signal(signal.SIGTERM, self._old_handler)
-            self.agent.close("finished" if not self._sigterm else "sigterm")
+            self.agent.close("sigterm" if self._sigterm else "finished" if committed else "failed")
+
+    def _commit_last(self) -> CommitInfo | None:
+        """Save and commit the current step, again after each failure until ``final_save_retry_s``
+        has passed; every rank tries again or gives up alike (one all-reduce per attempt)."""
+        deadline = time.monotonic() + self.config.final_save_retry_s
+        while True:
+            if self._last_saved != self.step:
+                self.save()
+            info, error = None, None
+            try:
+                info = self.checkpointer.wait()
+            except CheckpointError as exc:
+                error = exc
+            flags = torch.tensor([float(error is not None), float(time.monotonic() >= deadline)], dtype=torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(flags, group=self._control)
+            if flags[0].item() == 0 or self.step in {c.step for c in list_checkpoints(self.config.checkpoint_dir)
+                                                     if c.committed}:  # fmt: skip
+                return info  # (a rank whose wait timed out while rank 0 committed it: committed)
+            self._report_saves()  # the agent hears of the failure (the operator is told) now
+            if flags[1].item() > 0:
+                raise error or CommitFailed(f"step {self.step} not committed: another rank's save failed")
+            log.error("rank %d step %d: last checkpoint not committed (%s): trying again in %.0f s", self.rank,
+                      self.step, error, FINAL_SAVE_RETRY_EVERY_S)
+            time.sleep(FINAL_SAVE_RETRY_EVERY_S)
+            self._last_saved = -1  # the same step, saved again
 
     def _settle_saves(self) -> None:
         """Wait for the save in flight; a failed one is logged (the loader never sees it)."""

@@ -83,3 +83,24 @@ def test_a_runs_default_timeout_outlasts_the_scenarios_random_faults() -> None:
     soak = load(shipped / "soak.toml")
     assert soak.random is not None and default_timeout(soak) >= soak.random.duration_s + 600
     assert default_timeout(load(shipped / "default.toml")) == 900.0
+
+
+def test_a_worker_fault_aimed_at_a_cut_or_absent_node_goes_to_a_member_that_can_be_told() -> None:
+    from stalwart.chaos.runner import fault_target
+    from stalwart.chaos.scenario import FaultSpec
+
+    members = ["node0", "node1", "node2"]
+    kill = FaultSpec(kind="kill-worker", at_step=10, node="node0")
+    assert fault_target(kill, members, set()) == "node0"
+    # node0's link is cut: a call to its agent would hold the runner until its deadline
+    assert fault_target(kill, members, {"node0"}) == "node1"
+    assert fault_target(kill, ["node1", "node2"], set()) == "node1"  # node0 is out of the world
+    assert fault_target(kill, members, set(members)) == "node0"  # nobody to take it: tried (and retried) there
+    # Faults on the node itself (not on a worker) stay where they were aimed.
+    cut = FaultSpec(kind="network-cut", at_step=10, node="node0")
+    assert fault_target(cut, members, {"node0"}) == "node0"
+
+
+def test_a_job_memory_every_below_zero_is_refused_by_name() -> None:
+    with pytest.raises(ScenarioError, match="job.memory_every"):
+        from_mapping({"job": {"memory_every": -1}})
