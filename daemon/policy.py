@@ -43,6 +43,10 @@ class RoundPolicy:
       If fewer than ``min_nodes`` are there by then, it opens as soon as they are.
     - ``regrow_cooldown`` (300): a regrow opens no sooner than this after the previous round
       opened, so that nodes that come and go cannot keep the job restarting. Shrinks never wait.
+    - ``regrow_without_commit`` (60): a regrow waits for the next checkpoint commit (so that it
+      redoes no step), but no longer than this after the round opened or last committed: a full
+      disk, or saves far apart, must not keep the world small (the re-formed world restores the
+      newest memory generation where the trainer keeps them, else the last commit).
     - ``quarantine_faults`` (3) within ``quarantine_window`` (3600): a node that faults this many
       times within the window is quarantined until an operator uncordons it.
     - ``stall_timeout`` (120): a member whose training progress does not advance for this long
@@ -78,6 +82,7 @@ class RoundPolicy:
     workers_per_node: int = 0
     join_timeout: float = 60.0
     regrow_cooldown: float = 300.0
+    regrow_without_commit: float = 60.0
     quarantine_faults: int = 3
     quarantine_window: float = 3600.0
     stall_timeout: float = 120.0
@@ -101,7 +106,8 @@ class RoundPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PolicyError(f"{name} must be an integer, got {value!r}")
-        for name in ("join_timeout", "regrow_cooldown", "quarantine_window", "stall_timeout", "agent_restart_grace"):
+        for name in ("join_timeout", "regrow_cooldown", "regrow_without_commit", "quarantine_window", "stall_timeout",
+                     "agent_restart_grace"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise PolicyError(f"{name} must be a finite number of seconds, got {value!r}")
@@ -117,6 +123,8 @@ class RoundPolicy:
             raise PolicyError(f"join_timeout must not be negative, got {self.join_timeout}")
         if self.regrow_cooldown < 0:
             raise PolicyError(f"regrow_cooldown must not be negative, got {self.regrow_cooldown}")
+        if self.regrow_without_commit < 0:
+            raise PolicyError(f"regrow_without_commit must not be negative, got {self.regrow_without_commit}")
         if self.quarantine_faults < 1:
             raise PolicyError(f"quarantine_faults must be at least 1, got {self.quarantine_faults}")
         if self.quarantine_window <= 0:

@@ -89,7 +89,8 @@ class RoundRecord:
 
     ``last_progress_at`` is the newest progress of any member (the opening time before the first);
     ``stall_check_at`` is a time before which no member can have stalled, so the machine scans
-    members for a single stall only after it.
+    members for a single stall only after it. ``last_commit_at``: the newest checkpoint commit in
+    the round (its opening before the first).
     """
 
     number: int
@@ -99,6 +100,7 @@ class RoundRecord:
     training: bool = False
     last_progress_at: float = 0.0
     stall_check_at: float = 0.0
+    last_commit_at: float = 0.0
     member_set: frozenset[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -190,8 +192,8 @@ class RoundMachine:
             members = tuple(m.node_id for m in current.members)
             for m in current.members:
                 st.nodes[m.node_id] = NodeRecord(m.node_id, m.address, m.devices, state=NodeState.MEMBER)
-            st.round = RoundRecord(current.number, members, now, current.restore_step,
-                                   last_progress_at=now, stall_check_at=now + policy.stall_timeout)
+            st.round = RoundRecord(current.number, members, now, current.restore_step, last_progress_at=now,
+                                   stall_check_at=now + policy.stall_timeout, last_commit_at=now)
             st.first_registered_at = now
         log.info("round %d: resumed with %d members, newest checkpoint %s",
                  st.last_round_number, len(st.nodes), committed_step)
@@ -440,6 +442,8 @@ class RoundMachine:
         log.info("round %d: checkpoint at step %d committed (newest %d)",
                  self._round_no(), ev.step, st.committed_step)
         rnd = st.round
+        if rnd is not None:
+            rnd.last_commit_at = max(rnd.last_commit_at, st.now)
         if rnd is not None and rnd.training and (rnd.restore_step is None or ev.step > rnd.restore_step):
             self._regrow_trigger = f"checkpoint at step {ev.step} committed"
 
@@ -543,6 +547,8 @@ class RoundMachine:
             return stalled
         if not rnd.training:
             return self._regrow(now, "the round has not started training")
+        if self.state.waiting and now - rnd.last_commit_at >= self.policy.regrow_without_commit:
+            return self._regrow(now, f"no checkpoint committed for {now - rnd.last_commit_at:.0f} s")
         return []
 
     def _form(self, now: float) -> list[Decision]:
@@ -684,8 +690,8 @@ class RoundMachine:
         if old is not None:
             self._retire(old, set(chosen), why)
         st.last_round_number = number
-        st.round = RoundRecord(number, tuple(chosen), now, st.committed_step,
-                               last_progress_at=now, stall_check_at=now + pol.stall_timeout)
+        st.round = RoundRecord(number, tuple(chosen), now, st.committed_step, last_progress_at=now,
+                               stall_check_at=now + pol.stall_timeout, last_commit_at=now)
         st.last_status = None
         for node_id in chosen:
             rec = st.nodes[node_id]

@@ -873,3 +873,19 @@ def test_a_lost_lease_shrinks_at_once_when_the_host_is_down_or_there_is_no_grace
 def test_agent_restart_grace_is_checked() -> None:
     with pytest.raises(PolicyError, match="agent_restart_grace"):
         RoundPolicy(agent_restart_grace=-1.0)
+
+
+def test_with_no_commit_for_regrow_without_commit_the_waiting_nodes_join_anyway() -> None:
+    """A full disk (or saves far apart) must not keep the world small for good."""
+    sim = Sim(regrow_cooldown=0.0, regrow_without_commit=20.0)
+    sim.send(CheckpointCommitted(40))
+    sim.start("a", "b")
+    sim.progress(41, dt=1.0)
+    sim.register("c")
+    assert rounds(sim.tick(10.0)) == []
+    assert rounds(sim.send(CheckpointCommitted(50), 5.0)) != []  # a commit: the regrow rule as ever
+    sim.progress(51, dt=1.0)
+    sim.register("d")
+    assert rounds(sim.tick(18.0)) == []  # the round opened at the commit 19 s ago
+    opened = only_round(sim.tick(1.0))
+    assert ids(opened) == ["a", "b", "c", "d"] and opened.restore_step == 50
