@@ -29,7 +29,7 @@ import torch
 
 from stalwart.ckpt import Shard, decode_metadata
 from stalwart.trainer.peer_fill import fill_from_parts, useful
-from stalwart.trainer.peer_wire import Part, PeerError
+from stalwart.trainer.peer_wire import Part
 
 __all__ = ["Generation", "MemoryRestore", "MemoryStore", "choose_generation", "fill_generation",
            "restore_from_memory"]
@@ -199,7 +199,7 @@ def fill_generation(store: MemoryStore, pull: Pull, gen: Generation, reports: Se
     def fetch(origin: int) -> Part | None:
         try:
             return pull(holder[origin][0], origin, gen, wanted[origin])
-        except (OSError, PeerError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is a part not had: the world reads storage
             log.warning("rank %d: cannot pull rank %d's memory part of step %d from rank %d: %s", rank, origin,
                         gen.step, holder[origin][0], exc)
             return None
@@ -213,8 +213,13 @@ def fill_generation(store: MemoryStore, pull: Pull, gen: Generation, reports: Se
     if rest or 0 not in metas or (rank < gen.world and rank not in metas):
         return rest, None
     own_rank = own.rank if own is not None else None
-    result = MemoryRestore(gen, 0, 0, 0, {}, decode_metadata(metas[0])["trainer"],
-                           decode_metadata(metas[rank])["rng"] if rank < gen.world else None)
+    try:
+        trainer_meta = dict(decode_metadata(metas[0])["trainer"])
+        rng = dict(decode_metadata(metas[rank])["rng"]) if rank < gen.world else None
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("rank %d: memory generation of step %d: malformed metadata (%s)", rank, gen.step, exc)
+        return rest, None
+    result = MemoryRestore(gen, 0, 0, 0, {}, trainer_meta, rng)
     for origin, n in copied.items():
         if origin == own_rank:
             result.own_bytes += n

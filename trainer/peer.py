@@ -30,6 +30,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from stalwart.trainer.peer_wire import (
 __all__ = ["PeerConfig", "PeerReplicas", "PeerFill", "Part", "buddies", "fill_from_parts"]
 
 log = logging.getLogger(__name__)
+PUSHES_KEPT = 256
 
 @dataclass(frozen=True)
 class PeerConfig:
@@ -151,8 +153,9 @@ class PeerReplicas:
         self.port = int(self._listener.getsockname()[1])
         self._closed = False
         threading.Thread(target=self._serve, name="stalwart-peer-listener", daemon=True).start()
-        self.pushed: list[dict[str, Any]] = []  # one entry per finished push, for reports
-        self.failed: list[dict[str, Any]] = []  # one entry per failed push
+        # the newest pushes that finished, and that failed, for reports (a long run pushes every step)
+        self.pushed: deque[dict[str, Any]] = deque(maxlen=PUSHES_KEPT)
+        self.failed: deque[dict[str, Any]] = deque(maxlen=PUSHES_KEPT)
         self._peers: list[tuple[str, int]] = []
 
     # -- world -----------------------------------------------------------------------------------
@@ -247,8 +250,9 @@ class PeerReplicas:
                     took = time.monotonic() - started
                     self.pushed.append({"step": part.step, "to": buddy, "bytes": part.nbytes, "s": took,
                                         "memory": bool(part.tag)})
-                    log.info("rank %d: step %d %spart (%d bytes) replicated to rank %d in %.3fs", part.rank,
-                             part.step, "memory " if part.tag else "", part.nbytes, buddy, took)
+                    log.log(logging.DEBUG if part.tag else logging.INFO,
+                            "rank %d: step %d %spart (%d bytes) replicated to rank %d in %.3fs", part.rank,
+                            part.step, "memory " if part.tag else "", part.nbytes, buddy, took)
                 except (OSError, PeerError) as exc:
                     self.failed.append({"step": part.step, "to": buddy, "error": str(exc), "memory": bool(part.tag)})
                     log.warning("rank %d: step %d %spart not replicated to rank %d: %s", part.rank, part.step,
