@@ -64,9 +64,10 @@ class RestoreSource:
     t: float
     step: int
     world_size: int
-    own_memory_bytes: int  # each rank's own host copy of its last committed part
+    own_memory_bytes: int  # each rank's own host copy of its part
     peer_memory_bytes: int  # buddy replicas: copies held for other ranks, or pulled from peers
     storage_bytes: int  # read from the checkpoint files
+    point: str = "checkpoint"  # what was restored: a committed "checkpoint" or a "memory generation"
 
 
 @dataclass
@@ -187,9 +188,10 @@ def markdown(report: RunReport, picture: str | None) -> str:
     lines += [f"| {r.number} | {r.t:.2f} | {r.world_size} | {r.reason} |" for r in report.rounds]
     if report.restores:
         lines += ["", "Restores, by source (bytes over the world's ranks):", "",
-                  "| at s | step | world size | own memory | peer memory | storage |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r.t:.2f} | {r.step} | {r.world_size} | {r.own_memory_bytes:,} | {r.peer_memory_bytes:,} | "
-                  f"{r.storage_bytes:,} |" for r in report.restores]
+                  "| at s | step | restore point | world size | own memory | peer memory | storage |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r.t:.2f} | {r.step} | {r.point} | {r.world_size} | {r.own_memory_bytes:,} | "
+                  f"{r.peer_memory_bytes:,} | {r.storage_bytes:,} |" for r in report.restores]
     lines += ["", "| check | result |", "|---|---|"]
     lines += [f"| {name} | {'ok' if ok else 'FAILED'} |" for name, ok in report.checks.items()]
     if report.notes:

@@ -571,7 +571,8 @@ class _Run:
         report.restores = [
             RestoreSource(round(float(e["t"]) - self.t0, 3), int(e["step"]), int(e["world_size"]),  # type: ignore[arg-type, call-overload]
                           int(e.get("world_host_bytes", 0)), int(e.get("world_peer_bytes", 0)),  # type: ignore[call-overload]
-                          int(e.get("world_disk_bytes", 0)))  # type: ignore[call-overload]
+                          int(e.get("world_disk_bytes", 0)),  # type: ignore[call-overload]
+                          "memory generation" if e.get("source") == "memory" else "checkpoint")
             for e in self.events if e.get("event") == "restore" and int(e.get("step", 0)) > 0]  # type: ignore[call-overload]
         report.startup_phases = self._startup_phases()
         skipped = skipped_samples(self.events)

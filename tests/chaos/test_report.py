@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stalwart.chaos.report import FaultRecord, RoundChange, RunReport, Sample, goodput, write
+from stalwart.chaos.report import FaultRecord, RestoreSource, RoundChange, RunReport, Sample, goodput, write
 
 
 def _run() -> RunReport:
@@ -30,6 +30,8 @@ def test_goodput_counts_each_committed_step_once_by_its_last_run() -> None:
 def test_files(tmp_path: Path) -> None:
     report = _run()
     report.startup_phases = {"cluster up, first round, spawn": 1.5, "imports": 2.25, "world": 0.5}
+    report.restores = [RestoreSource(4.0, 10, 2, 100, 50, 0),
+                       RestoreSource(9.0, 17, 2, 100, 50, 0, "memory generation")]
     paths = write(report, tmp_path)
     data = json.loads(paths["json"].read_text())
     assert data["passed"] is True and data["faults"][0]["recovery_s"] == 3.5
@@ -38,6 +40,7 @@ def test_files(tmp_path: Path) -> None:
     assert "PASSED" in md and "kill-worker" in md and "timeline.png" in md
     assert "cluster up, first round, spawn 1.50 s, imports 2.25 s, world 0.50 s." in md
     assert data["startup_phases"]["imports"] == 2.25
+    assert "| 4.00 | 10 | checkpoint | 2 | 100 | 50 | 0 |" in md and "| 9.00 | 17 | memory generation | 2 |" in md
     assert paths["picture"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report.checks["no corrupt load"] = False
     assert not report.passed
