@@ -110,12 +110,14 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class RestoreInfo:
-    """Where this run started: checkpoint ``step`` (0 and ``saved_world_size`` 0 for a fresh start)."""
+    """Where this run started: checkpoint ``step`` (0 and ``saved_world_size`` 0 for a fresh start),
+    or a memory generation of ``step`` (``from_memory``: that step is on no storage)."""
 
     step: int
     position: DataPosition
     saved_world_size: int
     skipped: list[tuple[int, str]] = field(default_factory=list)
+    from_memory: bool = False
 
 
 def process_started_at() -> float:

@@ -73,9 +73,11 @@ class MemoryStore:
         self._held: dict[int, dict[int, Part]] = {}  # origin rank -> step -> its part
 
     def reset(self, lineage: str) -> None:
-        """A restore started ``lineage``: every part of an older one is dropped."""
+        """A restore started ``lineage``: every part of an older one is dropped. The commit floor
+        goes too (a restore may have set aside a newer, corrupt step: its number is free again)."""
         with self._lock:
             self.lineage = lineage
+            self._committed = -1
             self._own.clear()
             self._held.clear()
 
@@ -126,6 +128,12 @@ class MemoryStore:
         with self._lock:
             parts = [*self._own.values(), *(p for by_step in self._held.values() for p in by_step.values())]
             return {"lineage": self.lineage, "parts": [p.summary() for p in parts]}
+
+    def freed_by(self, origin: int) -> int:
+        """Bytes a new part of ``origin`` frees: its oldest part, when it has :data:`KEEP` already."""
+        with self._lock:
+            steps = self._held.get(origin, {})
+            return steps[min(steps)].nbytes if len(steps) >= KEEP else 0
 
     @property
     def held_bytes(self) -> int:

@@ -248,13 +248,16 @@ class PeerReplicas:
                 try:
                     self._push(part, host, port, token)
                     took = time.monotonic() - started
-                    self.pushed.append({"step": part.step, "to": buddy, "bytes": part.nbytes, "s": took,
-                                        "memory": bool(part.tag)})
+                    with self._lock:
+                        self.pushed.append({"step": part.step, "to": buddy, "bytes": part.nbytes, "s": took,
+                                            "memory": bool(part.tag)})
                     log.log(logging.DEBUG if part.tag else logging.INFO,
                             "rank %d: step %d %spart (%d bytes) replicated to rank %d in %.3fs", part.rank,
                             part.step, "memory " if part.tag else "", part.nbytes, buddy, took)
                 except (OSError, PeerError) as exc:
-                    self.failed.append({"step": part.step, "to": buddy, "error": str(exc), "memory": bool(part.tag)})
+                    with self._lock:
+                        self.failed.append({"step": part.step, "to": buddy, "error": str(exc),
+                                            "memory": bool(part.tag)})
                     log.warning("rank %d: step %d %spart not replicated to rank %d: %s", part.rank, part.step,
                                 "memory " if part.tag else "", buddy, exc)
 
@@ -278,7 +281,8 @@ class PeerReplicas:
             with self._lock:
                 targets = {b for b, _, _ in self._targets}
                 busy = self._push_running
-            if targets <= {e["to"] for e in self.pushed if e["step"] >= step}:
+                reached = {e["to"] for e in self.pushed if e["step"] >= step}
+            if targets <= reached:
                 return True
             if not busy or time.monotonic() > deadline:
                 return False
@@ -409,7 +413,8 @@ class PeerReplicas:
         limit = self.config.memory_limit_bytes
         with self._lock:
             held = sum(p.nbytes for parts in self._held.values() for p in parts.values())
-        held += self.memory.held_bytes
+        # a generation's part replaces the oldest one of its origin once it has KEEP of them
+        held += self.memory.held_bytes - (self.memory.freed_by(origin) if header.get("tag") else 0)
         if limit is not None and held + size > limit:
             drain(conn, size)
             log.warning("rank %d: refused rank %d's step %d part (%d bytes): the copies would hold %d bytes, over "

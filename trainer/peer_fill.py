@@ -48,11 +48,13 @@ def fill_from_parts(targets: dict[str, torch.Tensor | Shard],
 
 def _fill_one(target: torch.Tensor | Shard, region: Region,
               data: torch.Tensor) -> tuple[torch.Tensor | Shard | None, int]:
-    """Fill ``target`` from one held region: (what is left of it, or None; bytes copied)."""
+    """Fill ``target`` from one held region: (what is left of it, or None; bytes copied). A
+    target on a GPU is copied into from the host part directly (a memory generation's restore
+    must fill every target, not leave the device ones to storage)."""
     if isinstance(target, Shard):
         t, tr = target.tensor, target.region
         if (tr.flat is None or region.flat is None or tuple(tr.shape) != tuple(region.shape)
-                or data.dtype != t.dtype or not t.is_contiguous() or t.device.type != "cpu"):
+                or data.dtype != t.dtype or not t.is_contiguous()):
             return target, 0
         (a, b), (c, d) = tr.flat, region.flat
         i, j = max(a, c), min(b, d)
@@ -67,7 +69,7 @@ def _fill_one(target: torch.Tensor | Shard, region: Region,
             return Shard.flat(flat[j - a :], tr.shape, j), copied
         return None, copied
     if (region.box is not None and tuple(region.shape) == tuple(target.shape) and region.numel == target.numel()
-            and data.dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu"):
+            and data.dtype == target.dtype and target.is_contiguous()):
         target.view(-1).copy_(data)  # a replicated tensor that rank wrote whole
         return None, target.numel() * target.element_size()
     return target, 0

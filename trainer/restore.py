@@ -108,7 +108,7 @@ class RestoreMixin:
         self._peer_fill = PeerFill(got.own_bytes, got.held_bytes, got.pulled_bytes, dict(got.pulled))
         self._record_restore(step, saved_world, "memory", got.own_bytes, got.held_bytes + got.pulled_bytes, 0, [],
                              rollback=False)
-        return RestoreInfo(step, DataPosition.from_json(meta["position"]), saved_world)
+        return RestoreInfo(step, DataPosition.from_json(meta["position"]), saved_world, from_memory=True)
 
     def _restore_from_storage(self, found: dict[str, Any], max_step: int | None, *, rollback: bool, required: bool,
                               host: CommittedSnapshot | None) -> RestoreInfo | None:

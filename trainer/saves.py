@@ -113,12 +113,16 @@ class SavesMixin:
                 info = self.checkpointer.wait()
             except CheckpointError as exc:
                 error = exc
-            flags = torch.tensor([float(error is not None), float(time.monotonic() >= deadline)], dtype=torch.float64)
+            # Rank 0 says whether the step is committed after all (another rank's wait timed out
+            # while rank 0 committed it): every rank goes by its word, not by its own listing.
+            committed = self.rank == 0 and error is not None and self.step in {
+                c.step for c in list_checkpoints(self.config.checkpoint_dir) if c.committed}
+            flags = torch.tensor([float(error is not None), float(time.monotonic() >= deadline), float(committed)],
+                                 dtype=torch.float64)
             if dist.is_initialized():
                 dist.all_reduce(flags, group=self._control)
-            if flags[0].item() == 0 or self.step in {c.step for c in list_checkpoints(self.config.checkpoint_dir)
-                                                     if c.committed}:  # fmt: skip
-                return info  # (a rank whose wait timed out while rank 0 committed it: committed)
+            if flags[0].item() == 0 or flags[2].item() > 0:
+                return info
             self._report_saves()  # the agent hears of the failure (the operator is told) now
             if flags[1].item() > 0:
                 raise error or CommitFailed(f"step {self.step} not committed: another rank's save failed")

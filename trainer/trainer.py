@@ -191,7 +191,7 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
         self._skipped_seen = int(getattr(self.engine, "skipped_steps", 0))
         self.step = restored.step
         self._batch: StepBatch | None = None
-        self._last_saved = restored.step
+        self._last_saved = -1 if restored.from_memory else restored.step  # finish() saves a step only in memory
         self._last_save_time = time.monotonic()
         self._step_started = time.perf_counter()
         self._pending: list[SaveHandle] = []

@@ -11,7 +11,7 @@ import torch
 from stalwart.ckpt import Region, Shard, encode_metadata
 from stalwart.trainer.generations import Generation, MemoryStore, choose_generation, fill_generation
 from stalwart.trainer.peer import PeerConfig, PeerReplicas
-from stalwart.trainer.peer_wire import Part
+from stalwart.trainer.peer_wire import Part, entries
 
 
 def _part(step: int, rank: int, tag: str, world: int = 3, size: int = 4) -> Part:
@@ -128,3 +128,31 @@ def test_a_fill_whose_holder_is_gone_is_incomplete_so_the_world_reads_storage(th
     target = torch.zeros(6)
     rest, got = fill_generation(b.memory, b.pull_generation, gen, reports, 1, {"w": Shard.flat(target, (12,), 6)})
     assert got is None and list(rest) == ["w"]
+
+
+def test_a_new_lineage_takes_generations_below_a_commit_the_old_one_saw() -> None:
+    """A storage restore may go back below a commit the store saw (the newer step was corrupt
+    and set aside): the steps after it are trained again, and their generations are wanted."""
+    store = MemoryStore()
+    store.reset("a")
+    store.committed(9)
+    assert not store.keep_own(_part(8, 0, "a"))
+    store.reset("b")
+    assert store.keep_own(_part(8, 0, "b")) and store.accept(_part(8, 1, "b")) is None
+
+
+def test_a_memory_limit_sized_for_the_kept_generations_takes_each_new_one() -> None:
+    """Room for two generations of one origin: the third replaces the first rather than being refused
+    (the limit is checked before a part arrives, against what is held and the size on the wire)."""
+    one, wire = _part(5, 0, "a").nbytes, entries(_part(5, 0, "a"))[1]
+    holder = PeerReplicas(PeerConfig(timeout_s=10, memory_limit_bytes=one + wire))
+    sender = PeerReplicas(PeerConfig(timeout_s=10))
+    try:
+        _world([sender, holder], ["n0", "n1"])
+        for step in (5, 7, 9):
+            sender.keep_generation(_part(step, 0, "a"))
+            _pushed(sender, step)
+        assert sorted(s["step"] for s in holder.memory.report()["parts"]) == [7, 9]
+    finally:
+        holder.close()
+        sender.close()
