@@ -4,7 +4,8 @@ A worker is stalled when no step completes within ``max(floor, factor × median 
 time)`` of its last one. The first step after a start gets ``first_step`` seconds instead
 (imports, process-group set-up and compilation take far longer than a step). A worker that is
 frozen (stopped by a signal or a cgroup freezer) is stalled once it has been frozen for
-``frozen_after`` seconds (or three of its median step times, if longer; never more than ``floor``),
+``frozen_after`` seconds (or ``FROZEN_STEPS`` of its median step times, if longer; never more than
+``floor``; a debugger's tracing stop is not frozen),
 even within that allowance: a frozen process is not starting up, and not waiting for a peer, so
 there is nothing to wait for. Pure: the caller
 passes the clock (and what it saw of the process), so every rule is tested without sleeping.
@@ -15,6 +16,11 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+
+# A stopped process makes no progress at all, and every peer waits for it meanwhile: the margin
+# only lets a stop that is continued at once (job control) pass.
+FROZEN_STEPS = 2.0
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,7 @@ class StallDetector:
 
     def frozen_limit(self, rank: int) -> float:
         w = self._workers[rank]
-        typical = 3.0 * statistics.median(w.times) if w.times else 0.0
+        typical = FROZEN_STEPS * statistics.median(w.times) if w.times else 0.0
         return min(self.policy.floor, max(self.policy.frozen_after, typical))
 
     def check(self, now: float) -> list[Stall]:

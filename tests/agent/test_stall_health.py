@@ -91,19 +91,20 @@ def test_a_frozen_worker_is_stalled_after_frozen_after_even_before_its_first_ste
     assert d.check(now=20) == []
 
 
-def test_a_frozen_worker_is_stalled_long_before_the_floor_but_not_within_three_of_its_steps() -> None:
+def test_a_frozen_worker_is_stalled_long_before_the_floor_but_not_within_two_of_its_steps() -> None:
     d = StallDetector(StallPolicy(floor=10, factor=4, first_step=300, frozen_after=1))
     d.started(0, now=0)
     d.started(1, now=0)
     for step in range(1, 6):
         d.step(0, step, 0.1, now=step * 0.1)  # fast steps: the 1 s floor of frozen_after applies
-        d.step(1, step, 0.5, now=step * 0.5)  # slow steps: three of them (1.5 s) apply
-    d.frozen(0, True, now=3)
-    d.frozen(1, True, now=3)
-    assert d.check(now=3.9) == []
-    assert [s.rank for s in d.check(now=4.1)] == [0]
-    assert [s.rank for s in d.check(now=4.6)] == [1]
-    assert d.frozen_limit(0) == 1 and d.frozen_limit(1) == 1.5
+        d.step(1, step, 0.7, now=step * 0.7)  # slow steps: two of them (1.4 s) apply
+    d.frozen(0, True, now=4)
+    d.frozen(1, True, now=4)
+    assert d.check(now=4.9) == []
+    assert [s.rank for s in d.check(now=5.1)] == [0]
+    assert d.check(now=5.3) == []
+    assert [s.rank for s in d.check(now=5.5)] == [1]
+    assert d.frozen_limit(0) == 1 and d.frozen_limit(1) == 1.4
 
 
 def test_a_stopped_fast_worker_is_stalled_within_a_third_of_a_second_by_default() -> None:
