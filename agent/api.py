@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import signal
 import threading
@@ -17,7 +18,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from stalwart.agent.config import AgentConfig
-from stalwart.agent.core import lost_before_step
+from stalwart.agent.core import lost_before_step, stale_hello
 from stalwart.agent.health import FakeProbe, HealthProbe
 from stalwart.agent.metrics import AgentMetrics
 from stalwart.agent.service import FaultRefused, HelloEvent, StepEvent, WorkerChannels
@@ -30,6 +31,7 @@ from stalwart.coord.client import EtcdClient
 from stalwart.coord.errors import CoordError
 from stalwart.coord.keys import JobKeys
 from stalwart.proto import agent_pb2, records_pb2
+from stalwart.proto.contract import ENV_SOCKET
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,37 @@ class AgentApiMixin:
         never wait on the agent)."""
         rnd = self._state.round
         return rnd.number if rnd is not None else 0
+
+    def stale_worker(self, hello: HelloEvent) -> str | None:
+        """Why ``hello`` is from a stale worker (``core.stale_hello``), or None."""
+        if hello.spare:
+            return None
+        with self._lock:
+            group, rnd = self._state.group, self._state.round
+            holder = group.worker(hello.local_rank) if group is not None else None
+            return stale_hello(hello_round=hello.round, hello_pid=hello.pid,
+                               current_round=rnd.number if rnd is not None else None,
+                               holder_pid=holder.pid if holder is not None else None,
+                               holder_running=holder is not None and holder.running,
+                               pending=hello.pid in self._state.pending)
+
+    def fence_stale(self, pid: int, why: str) -> None:
+        """Kill a stale worker (its process group), once it is known to be one of this node's:
+        its environment names this agent's progress socket. Its stream is refused either way."""
+        node = self.config.node_id
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            env = []
+        ours = f"{ENV_SOCKET}={self.config.socket_path}".encode() in env
+        log.error("agent %s: stale worker refused%s: %s", node, ", killed" if ours else "", why, extra={"node": node})
+        if ours:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.killpg(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def worker_hello(self, hello: HelloEvent) -> None:
         node = self.config.node_id

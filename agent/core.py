@@ -27,6 +27,10 @@ the daemon's decision alone.
   (``spare_nice``, where the agent may give their priority back) take only what CPU the workers
   leave: they start as soon as the node's workers run in a round, so they are warm by the first
   fault rather than seconds after it.
+- **A stale worker** (:func:`stale_hello`): a process that says Hello as a worker of a round
+  older than the current one, for a local rank that another live process of this node holds, is
+  a worker the job left behind (one an agent before this one was stopping when it handed off): it
+  is fenced (killed), never given the channel of the worker that holds its place now.
 - **Ready to join** (:func:`join_readiness`): once the job has had a round, a node outside the
   current one (or after it closed) asks to be left out (its health record says ``replacing``)
   until it has a warm spare for each of its workers, so the daemon admits it only once it can join
@@ -109,6 +113,19 @@ def overdue_reform(proc: ProcState, connected: bool, waited: float, joining: boo
     if not joining:
         return Overdue(True, f"did not begin its re-form within {waited:.1f} s")
     return Overdue(False, f"joining for {waited:.1f} s: waiting for its peers")
+
+
+def stale_hello(*, hello_round: int, hello_pid: int, current_round: int | None, holder_pid: int | None,
+                holder_running: bool, pending: bool) -> str | None:
+    """Why a worker's Hello is from a stale process (see the module docstring), or None.
+    ``holder_pid``: this node's worker of the Hello's local rank in the current round;
+    ``pending``: the Hello's pid was sent a Reform (a spare taking a place, say) not yet acknowledged."""
+    if current_round is None or holder_pid is None or holder_pid == hello_pid or not holder_running or pending:
+        return None
+    if hello_round >= current_round:
+        return None
+    return (f"pid {hello_pid} says Hello for round {hello_round}, but round {current_round}'s worker of its local "
+            f"rank is pid {holder_pid}")
 
 
 def refill_in_place(*, joining: bool, new_rank: int, warm_spare: bool, spares: int) -> bool:

@@ -71,6 +71,10 @@ class AgentCore(Protocol):
 
     def worker_hello(self, hello: HelloEvent) -> None: ...
 
+    def stale_worker(self, hello: HelloEvent) -> str | None: ...
+
+    def fence_stale(self, pid: int, why: str) -> None: ...
+
     def worker_step(self, event: StepEvent) -> None: ...
 
     def worker_peer_lost(self, rank: int, round: int, hosts: list[str], detail: str) -> None: ...
@@ -241,6 +245,10 @@ class ProgressServicer(agent_pb2_grpc.ProgressServicer):
         if first is None or first.WhichOneof("kind") != "hello":
             return  # a stream must start with Hello
         hello = first.hello
+        stale = self._core.stale_worker(_hello_event(hello))
+        if stale is not None:  # the place it asks for is another process's now
+            self._core.fence_stale(hello.pid, stale)
+            return
         stream = _Stream(hello.rank, hello.local_rank, hello.round, hello.pid, hello.spare)
         if hello.spare:
             outbox = self.channels.open_spare(hello.pid)

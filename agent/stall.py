@@ -17,7 +17,6 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-
 # A stopped process makes no progress at all, and every peer waits for it meanwhile: the margin
 # only lets a stop that is continued at once (job control) pass.
 FROZEN_STEPS = 2.0

@@ -331,3 +331,45 @@ def test_injected_peer_traffic_drop_shows_in_both_directions(etcd_server: LocalE
     for node in ("n0", "n1"):
         wait_for(lambda node=node: not (_health(etcd_client, keys, node) or records_pb2.HealthRecord())
                  .unreachable_peers, 10, f"{node} reaching its peer again")
+
+
+STALE = """
+import os, sys, time, grpc
+from stalwart.proto import agent_pb2, agent_pb2_grpc
+channel = grpc.insecure_channel("unix:" + os.environ["STALWART_AGENT_SOCKET"])
+def messages():
+    yield agent_pb2.WorkerMessage(hello=agent_pb2.Hello(rank=1, local_rank=0, round=1, pid=os.getpid(),
+                                                        can_reform=True))
+    time.sleep(3600)
+for _ in agent_pb2_grpc.ProgressStub(channel).Connect(messages()):
+    pass
+print("stream ended", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_stale_worker_of_an_older_round_is_fenced_and_never_takes_the_current_workers_channel(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent, key_prefix: str) -> None:
+    """A worker of round 1 that outlived its place (its agent was stopping it when it handed off)
+    says Hello to the agent of round 2 for the local rank another process holds: it is killed,
+    and the current worker keeps its channel (commands for its rank reach it, not the stale one)."""
+    import os
+    import subprocess
+
+    job = "agent-" + key_prefix.strip("/").split("/")[-1][-40:].replace("[", "-").replace("]", "")
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job))
+    _open_round(etcd_client, keys, 2, [("n0", agent.address)])
+    wait_for(lambda: len(_running_steps(agent)) == 2, 30, "two workers stepping")
+    holder = next(w.pid for w in agent.status().workers if w.local_rank == 0)
+    wait_for(lambda: agent.channels.connected().get(0) == holder, 10, "local rank 0's worker connected")
+    stale = subprocess.Popen([sys.executable, "-c", STALE], start_new_session=True,
+                             env={**os.environ, "STALWART_AGENT_SOCKET": str(agent.config.socket_path)})
+    try:
+        stale.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        stale.kill()
+        raise AssertionError("the stale worker was not fenced") from None
+    assert stale.returncode == -9
+    assert agent.channels.connected().get(0) == holder
+    assert {w.pid for w in agent.status().workers} >= {holder}

@@ -14,6 +14,7 @@ from stalwart.agent.core import (
     keep_verdict,
     overdue_reform,
     refill_in_place,
+    stale_hello,
 )
 
 HEALTHY = WorkerFacts(running=True, stopping=False, local_rank=0, connected=True, reforming=False, stalled=False,
@@ -149,3 +150,18 @@ def test_a_spare_given_its_rank_while_still_warming_is_not_killed_for_a_late_ref
     # warming or not, a stopped one or one that lost its channel is not waited for
     assert overdue_reform(ProcState.STOPPED, connected=True, waited=45.0, joining=False, warming=True).kill
     assert overdue_reform(ProcState.RUNNING, connected=False, waited=45.0, joining=False, warming=True).kill
+
+
+def test_a_hello_for_an_older_round_at_a_place_another_live_process_holds_is_stale() -> None:
+    """The worker an agent was stopping when it handed off reconnects to the next agent: it must
+    not take the channel of the worker that holds its place now (the two would displace each
+    other's stream, and a command for the rank would reach the stale one)."""
+    args = {"hello_round": 2, "hello_pid": 10, "current_round": 7, "holder_pid": 20, "holder_running": True,
+            "pending": False}
+    assert "round 7's worker of its local rank is pid 20" in str(stale_hello(**args))
+    assert stale_hello(**{**args, "hello_pid": 20}) is None  # the holder itself, re-forming from an older round
+    assert stale_hello(**{**args, "hello_round": 7}) is None  # a worker of this round
+    assert stale_hello(**{**args, "pending": True}) is None  # told to take the place (a spare)
+    assert stale_hello(**{**args, "holder_running": False}) is None  # the place is free: a restarted worker
+    assert stale_hello(**{**args, "holder_pid": None}) is None
+    assert stale_hello(**{**args, "current_round": None}) is None
