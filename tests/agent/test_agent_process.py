@@ -86,7 +86,7 @@ def _adopted(client: EtcdClient, keys: JobKeys, pids: set[int], above: int) -> b
     except grpc.RpcError:
         return False
     running = {w.pid: w.last_step for w in status.workers if w.state == agent_pb2.WORKER_RUNNING}
-    return set(running) == pids and min(running.values()) > above
+    return bool(running) and set(running) == pids and min(running.values()) > above  # none yet: not yet
 
 
 def _await_ready(sock: socket.socket) -> None:
