@@ -465,9 +465,16 @@ class Daemon:
         self.metrics.job_step.set(max(summary.step, 0))
         if summary.step_time is not None:
             self.metrics.step_time.set(summary.step_time)
+        self._goodput_due(term)
+
+    def _goodput_due(self, term: _Term) -> None:
+        """Rewrite the status record with the new totals every GOODPUT_INTERVAL, and at once when a
+        fault's cost became known. Checked on quiet ticks too: the last step before a job goes
+        quiet (a stall, the end) would stay unwritten until the next event otherwise."""
+        g = term.goodput
         due = self._clock() - term.status_written_at >= GOODPUT_INTERVAL or g.new_costs
         if due and term.pending_status is None and g.started_at is not None:
-            term.pending_status = term.last_status  # rewrite the status record with the new totals
+            term.pending_status = term.last_status
 
     def _goodput_record(self, term: _Term) -> records_pb2.JobGoodput:
         s = term.goodput.summary(self._wall())
@@ -594,6 +601,7 @@ class Daemon:
 
     def _housekeeping(self, term: _Term, now: float, revision: int) -> None:
         self.notifier.watchdog()
+        self._goodput_due(term)
         self._flush_status(term, now)
         self._prune_ckpts(term)
         self._compact(term, now, revision)

@@ -55,17 +55,20 @@ def test_a_quarantined_node_is_handed_to_the_scheduler_once(etcd_server: LocalEt
         assert _metric(daemon.metrics_port, "stalwart_daemon_quarantines_total") == 1.0
         assert _metric(daemon.metrics_port, 'stalwart_daemon_member_faults_total{kind="lease-lost"}') == 1.0
         # training goes on in round 2: the job's step advances, and the fault's cost becomes known
-        for step in (6, 9):
-            for n in ("a", "c"):
-                agents[n].progress(2, step)
-        wait_for(lambda: _metric(daemon.metrics_port, "stalwart_daemon_job_step") == 9.0, 20, "the job's step",
-                 tmp_path)
-        def shown_goodput() -> dict | None:
+        def shown_goodput(step: int) -> dict | None:
             assert cli(["status", "--endpoints", ",".join(etcd_server.endpoints), "--job", job, "--json"]) == 0
             goodput = json.loads(capsys.readouterr().out)["status"]["goodput"]  # type: ignore[attr-defined]
-            return goodput if goodput is not None and goodput["step"] == 9 else None
+            return goodput if goodput is not None and goodput["step"] == step else None
 
-        goodput = wait_for(shown_goodput, 20, "the goodput in the status record", tmp_path)
+        for n in ("a", "c"):
+            agents[n].progress(2, 6)
+        wait_for(lambda: shown_goodput(6), 20, "the fault's cost in the status record", tmp_path)
+        # the job's last step before it goes quiet is written too, with no later event to carry it
+        for n in ("a", "c"):
+            agents[n].progress(2, 9)
+        wait_for(lambda: _metric(daemon.metrics_port, "stalwart_daemon_job_step") == 9.0, 20, "the job's step",
+                 tmp_path)
+        goodput = wait_for(lambda: shown_goodput(9), 30, "the goodput in the status record", tmp_path)
         assert [(f["node"], f["kind"]) for f in goodput["faults"]] == [("b", "lease-lost")]
         assert goodput["faults"][0]["cost"] is not None
         # and at a glance, for a person at a terminal

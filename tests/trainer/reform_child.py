@@ -148,6 +148,9 @@ def main() -> None:
             trainer.request_reform(ReformSpec(**json.loads(args.reform_spec)))
             (out / f"{args.name}.reform-requested").write_text(json.dumps({"time": time.time(), "step": s + 1}))
         if args.fail_at_step is not None and s + 1 == args.fail_at_step and not trainer.reforms:
+            # the save before this step commits first: the re-form then has a checkpoint to
+            # restore however slowly a loaded machine persists it (the peers' saves run on)
+            trainer.checkpointer.wait(120.0)
             (out / f"{args.name}.failed").write_text(json.dumps({"time": time.time(), "step": s + 1}))
             raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer (injected by the test)")
         if trainer.reforms:
