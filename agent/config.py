@@ -29,6 +29,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator
 
+from stalwart.agent.preload import parse_command
 from stalwart.coord.config import EtcdConfig, with_env_password
 from stalwart.coord.errors import EtcdConfigError
 from stalwart.coord.keys import check_name
@@ -127,6 +128,12 @@ class AgentConfig:
     # leave it out (the others re-form at once) while it warms one spare per local worker; after
     # this many seconds without them it stops asking and rejoins with cold processes.
     replace_timeout: float = 300.0
+    # Modules a preload process imports once, as the agent starts, so that workers and spares are
+    # forked from it instead of each importing them (agent/preload.py): for example ["torch",
+    # "deepspeed"]. Empty (the default): every worker is started cold. Needs a command of the form
+    # `python [options] script.py ...` or `python [options] -m module ...`.
+    preload: Annotated[tuple[str, ...], BeforeValidator(_command)] = ()
+    preload_wait: float = 120.0  # seconds a starting agent waits for its preload process before it registers
 
     def __post_init__(self) -> None:
         # Also when built in code rather than from a file: a truthy non-boolean must not turn
@@ -135,6 +142,14 @@ class AgentConfig:
                             ("tls.client_auth", self.tls.client_auth)):
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         _check(bool(self.command), "command", "must name the program each worker runs")
+        if self.preload:
+            _check(parse_command(self.command) is not None, "preload",
+                   "needs a command of the form `python [options] script.py ...` or `python [options] -m module "
+                   f"...`, got {' '.join(self.command)!r}")
+            for name in self.preload:
+                _check(bool(name) and all(part.isidentifier() for part in name.split(".")), "preload",
+                       f"{name!r} is not a module name")
+        _check(self.preload_wait >= 0, "preload_wait", f"must be >= 0, got {self.preload_wait}")
         _check(self.workers >= 1, "workers", f"must be >= 1, got {self.workers}")
         _check(self.peer_probe_neighbours >= 0, "peer_probe_neighbours",
                f"must be >= 0, got {self.peer_probe_neighbours}")

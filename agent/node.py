@@ -30,6 +30,7 @@ loop and stopping.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
@@ -45,6 +46,7 @@ from stalwart.agent.config import AgentConfig
 from stalwart.agent.health import Finding, HealthProbe, make_probe
 from stalwart.agent.metrics import AgentMetrics
 from stalwart.agent.monitoring import MonitoringMixin
+from stalwart.agent.preload import Preloader, parse_command
 from stalwart.agent.replacing import ReplacingMixin
 from stalwart.agent.rounds import RoundsMixin
 from stalwart.agent.service import WorkerChannels, start_node_server, start_progress_server
@@ -53,7 +55,7 @@ from stalwart.agent.stall import StallDetector, StallPolicy
 from stalwart.agent.state import NodeState
 from stalwart.agent.succession import SuccessionMixin
 from stalwart.agent.throttle import Throttle
-from stalwart.agent.workers import WorkerExit
+from stalwart.agent.workers import RANK_ENV, WorkerExit
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.errors import CoordError, EtcdUnavailable
 from stalwart.coord.keys import JobKeys
@@ -110,6 +112,7 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
         self._lost_while_away: list[WorkerExit] = []  # adopted round's workers that died meanwhile
         self._adopted_warm: set[int] = set()  # pids of adopted spares that were warm
         self._unrecorded: dict[int, records_pb2.CheckpointRecord] = {}  # commits etcd has not taken yet
+        self.preloader: Preloader | None = None  # the preload process workers are forked from (preload.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -131,6 +134,7 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
         waited for (a warning a try) until it does or ``cancel`` is set (returns False).
         Raises ``AgentConfigError``/``BindError`` (servers) or ``CoordError`` (etcd)."""
         carried = self._carry_on_lease()  # first: it runs out while the rest of the start takes its time
+        self._start_preload()  # its imports run while the rest of the start takes its time
         self._servers.append(start_progress_server(self.config.socket_path, self, self.channels))
         add_health = lambda server: health_pb2_grpc.add_HealthServicer_to_server(  # noqa: E731
             self._health_service, server)
@@ -144,6 +148,8 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
             return False
         self._catch_up_round()  # whether this node may join warm, before it registers
         self._adopt()
+        if carried is None and self._state.group is None and not self.spare_pool.workers():
+            self._await_preload()  # a fresh start: the first round's workers can be forked
         self._register(carried)
         self._save_state()
         self._await_adopted(ADOPTED_WAIT_S)
@@ -158,6 +164,32 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
         log.info("agent %s up: service %s, progress socket %s", self.config.node_id, self.address,
                  self.config.socket_path, extra={"node": self.config.node_id})
         return True
+
+    def _start_preload(self) -> None:
+        target = parse_command(self.config.command) if self.config.preload else None
+        if target is None:
+            return
+        env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+        env.update(self._worker_env())
+        self.preloader = Preloader(target, self.config.preload, self.config.log_dir / "preload.log", env,
+                                   self.config.cwd)
+        try:
+            self.preloader.start()
+        except OSError as exc:
+            log.warning("agent %s: cannot start the preload process (%s); workers are started cold",
+                        self.config.node_id, exc, extra={"node": self.config.node_id})
+            self.preloader = None
+
+    def _await_preload(self) -> None:
+        """Register once the preload process can fork (its imports done), so the first round's
+        workers do not import beside it; at most ``preload_wait`` seconds."""
+        if self.preloader is None:
+            return
+        t0 = time.monotonic()
+        ready = self.preloader.wait_ready(self.config.preload_wait)
+        log.info("agent %s: preload process %s after %.2f s", self.config.node_id,
+                 "ready" if ready else f"not ready ({self.preloader.error or 'timed out'}): workers start cold",
+                 time.monotonic() - t0, extra={"node": self.config.node_id})
 
     def _wait_for_etcd(self, cancel: threading.Event) -> bool:
         """Until etcd answers, as the daemon does: one warning line a try. Only unavailability is
@@ -271,10 +303,16 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
             log.info("agent %s: handing off: %d worker(s) train on and %d spare(s) wait for the next agent to adopt",
                      self.config.node_id, len(self._state.group.workers) if self._state.group else 0,
                      len(self.spare_pool.workers()), extra={"node": self.config.node_id})
+            self._close_preload()
             return
         self._stop_workers("agent shutting down", wait=True)
         self.spare_pool.stop_all(self.config.stop_grace)
+        self._close_preload()
         clear_state(self._state_file)
+
+    def _close_preload(self) -> None:
+        if self.preloader is not None:
+            self.preloader.close()
 
     def handoff(self) -> None:
         """Stop for a successor (``systemctl restart``, an upgrade): unlike :meth:`shutdown`, the

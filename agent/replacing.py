@@ -22,6 +22,7 @@ from stalwart.agent.config import AgentConfig
 from stalwart.agent.core import JoinFacts, join_readiness, refill_in_place, spares_may_start
 from stalwart.agent.health import Finding, Severity
 from stalwart.agent.metrics import AgentMetrics
+from stalwart.agent.preload import Preloader
 from stalwart.agent.spares import SparePool
 from stalwart.agent.stall import StallDetector
 from stalwart.agent.state import NodeState, Progress
@@ -38,6 +39,7 @@ class ReplacingMixin:
     stalls: StallDetector
     metrics: AgentMetrics
     spare_pool: SparePool
+    preloader: Preloader | None
     _state: NodeState
     _lock: threading.RLock
     _commands: queue.Queue[tuple[str, object]]
@@ -62,7 +64,8 @@ class ReplacingMixin:
     def _start_spare(self) -> Worker:
         nice = 0 if self._awaiting_spares() else self._spare_nice
         return start_spare(self.config.command, self.config.log_dir, self._spare_exited,
-                           extra_env=self._worker_env(), cwd=self.config.cwd, nice=nice)
+                           extra_env=self._worker_env(), cwd=self.config.cwd, nice=nice,
+                           preloader=self.preloader)
 
     def _awaiting_spares(self) -> bool:
         """The node is out of the world until its spares are warm (replacing a lost worker, or

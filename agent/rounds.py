@@ -23,6 +23,7 @@ from stalwart.agent.config import AgentConfig
 from stalwart.agent.core import ProcState, WorkerFacts, keep_verdict, overdue_reform
 from stalwart.agent.health import Finding, Severity
 from stalwart.agent.metrics import AgentMetrics
+from stalwart.agent.preload import Preloader
 from stalwart.agent.service import WorkerChannels
 from stalwart.agent.spares import SparePool
 from stalwart.agent.stall import StallDetector
@@ -54,6 +55,7 @@ class RoundsMixin:
     metrics: AgentMetrics
     channels: WorkerChannels
     spare_pool: SparePool
+    preloader: Preloader | None
     _state: NodeState
     _lock: threading.RLock
     _commands: queue.Queue[tuple[str, object]]
@@ -149,7 +151,7 @@ class RoundsMixin:
         assignment = self._assignment(record, mine[0])
         now = time.monotonic()
         group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
-                            extra_env=self._worker_env(), cwd=self.config.cwd)
+                            extra_env=self._worker_env(), cwd=self.config.cwd, preloader=self.preloader)
         with self._lock:
             self._state.group = group
             self._state.worker_findings = []
@@ -210,7 +212,7 @@ class RoundsMixin:
                 self.stalls.forget(w.rank)
             self._state.pending = {}
             group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
-                                extra_env=self._worker_env(), cwd=self.config.cwd,
+                                extra_env=self._worker_env(), cwd=self.config.cwd, preloader=self.preloader,
                                 reuse=keep, spawn_missing=False)
             self._state.group = group
             self._state.round = record

@@ -29,6 +29,7 @@ from stalwart.agent.adopt import (
 )
 from stalwart.agent.config import AgentConfig
 from stalwart.agent.metrics import AgentMetrics
+from stalwart.agent.preload import Preloader
 from stalwart.agent.service import WorkerChannels
 from stalwart.agent.spares import SparePool
 from stalwart.agent.stall import StallDetector
@@ -51,6 +52,7 @@ class SuccessionMixin:
     stalls: StallDetector
     metrics: AgentMetrics
     spare_pool: SparePool
+    preloader: Preloader | None
     channels: WorkerChannels
     _state: NodeState
     _lock: threading.RLock
@@ -120,7 +122,7 @@ class SuccessionMixin:
             return
         assignment = self._assignment(record, mine[0])
         group = WorkerGroup(self.config.command, assignment, self.config.log_dir, self._worker_exited,
-                            extra_env=self._worker_env(), cwd=self.config.cwd,
+                            extra_env=self._worker_env(), cwd=self.config.cwd, preloader=self.preloader,
                             spawn_missing=False)
         now = time.monotonic()
         with self._lock:

@@ -22,6 +22,7 @@ from enum import Enum
 from pathlib import Path
 
 from stalwart.agent.adopt import AdoptedProcess
+from stalwart.agent.preload import ForkedProcess, Preloader
 from stalwart.coord.local import die_with_parent
 from stalwart.proto.contract import ENV_RESTORE_STEP, ENV_ROUND, ENV_SPARE, EXIT_DIVERGED, EXIT_STUCK
 
@@ -127,7 +128,7 @@ def classify(returncode: int, stopping: bool, oom_before: int) -> tuple[ExitKind
 
 
 # torchrun's per-rank variables: a warm spare has no rank yet, so it must not inherit any.
-_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
              "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", ENV_ROUND, ENV_RESTORE_STEP,
              "TORCHELASTIC_RESTART_COUNT")
 
@@ -137,7 +138,8 @@ class Worker:
     lives: a kept worker moves from round to round, a warm spare becomes a worker. The waiting
     thread reads them when the process exits, so the exit is reported with its latest place."""
 
-    def __init__(self, local_rank: int, rank: int, proc: subprocess.Popen[bytes] | AdoptedProcess, log_path: Path, *,
+    def __init__(self, local_rank: int, rank: int, proc: subprocess.Popen[bytes] | AdoptedProcess | ForkedProcess,
+                 log_path: Path, *,
                  round: int = 0, spare: bool = False, on_exit: Callable[[WorkerExit], None] | None = None,
                  oom_before: int = 0) -> None:
         self.local_rank = local_rank
@@ -243,7 +245,13 @@ def _adopted_exit(goodbye: str, stopping: bool) -> tuple[ExitKind, str]:
 
 
 def _spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: str | None, *,
-           die_with_agent: bool = False) -> subprocess.Popen[bytes]:
+           die_with_agent: bool = False,
+           preloader: Preloader | None = None) -> subprocess.Popen[bytes] | ForkedProcess:
+    """Start ``command``: forked from the preload process when one is ready, else cold."""
+    if preloader is not None and not die_with_agent:
+        forked = preloader.spawn(env, log_path, cwd)
+        if forked is not None:
+            return forked
     argv = die_with_parent(list(command)) if die_with_agent else list(command)
     with open(log_path, "ab") as out:
         return subprocess.Popen(argv, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
@@ -281,20 +289,21 @@ def can_restore_priority() -> bool:
 
 
 def start_spare(command: Sequence[str], log_dir: Path, on_exit: Callable[[WorkerExit], None], *,
-                extra_env: Mapping[str, str] | None = None, cwd: str | None = None, nice: int = 0) -> Worker:
+                extra_env: Mapping[str, str] | None = None, cwd: str | None = None, nice: int = 0,
+                preloader: Preloader | None = None) -> Worker:
     """Start a warm spare: the worker command with ``STALWART_SPARE=1`` and no rank. It imports
     and builds what it can, then waits on the progress channel for a rank. Like a worker it
     outlives its agent (a restarted agent adopts it; one gone for good orphans it, and it stops
     itself after ``STALWART_ORPHAN_TIMEOUT``). ``nice`` > 0: it warms at that nice value (its
     whole process group), using what CPU the node's workers leave; taking it as a rank restores
     the workers' priority."""
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
     env.update(extra_env or {})
     env[ENV_SPARE] = "1"
     spare_dir = log_dir / "spares"
     spare_dir.mkdir(parents=True, exist_ok=True)
     log_path = spare_dir / f"spare-{time.time_ns()}.log"
-    proc = _spawn(command, env, log_path, cwd)
+    proc = _spawn(command, env, log_path, cwd, preloader=preloader)
     if nice > 0:
         try:
             os.setpriority(os.PRIO_PGRP, proc.pid, nice)  # its own session: the group is its pid
@@ -370,11 +379,13 @@ class WorkerGroup:
         cwd: str | None = None,
         reuse: Mapping[int, Worker] | None = None,
         spawn_missing: bool = True,
+        preloader: Preloader | None = None,
     ) -> None:
         self.assignment = assignment
         self._command = list(command)
         self._extra_env = dict(extra_env or {})
         self._cwd = cwd
+        self._preloader = preloader
         self._slots: dict[int, Worker] = {}
         self._on_exit = on_exit
         self._oom_before = _oom_kills()
@@ -415,7 +426,7 @@ class WorkerGroup:
         log_path = self._round_dir / f"rank-{a.first_rank + local_rank:05d}.log"
         if log_path.is_symlink():  # a kept worker's log: the new process writes its own
             log_path = self._log_path(a.first_rank + local_rank)
-        proc = _spawn(self._command, env, log_path, self._cwd)
+        proc = _spawn(self._command, env, log_path, self._cwd, preloader=self._preloader)
         worker = Worker(local_rank, a.first_rank + local_rank, proc, log_path, round=a.round, on_exit=self._on_exit,
                         oom_before=self._oom_before)
         self._slots[local_rank] = worker

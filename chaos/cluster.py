@@ -160,7 +160,8 @@ class LocalCluster:
             f"lease_ttl = {c.lease_ttl}\nprobe = \"fake\"\nfault_injection = true\nstop_grace = 10.0\n"
             f"stall_floor = 4.0\nstall_factor = 10.0\nstall_first_step = 180.0\nprogress_interval = 0.1\n"
             f"busy_window = 5\nreform_in_place = {str(c.reform_in_place).lower()}\nspares = {c.spares}\n"
-            f"peer_probe_interval = 2.0\n[etcd]\nendpoints = [{', '.join(repr(e) for e in self.etcd.endpoints)}]\n"
+            f"peer_probe_interval = 2.0\npreload = [{', '.join(repr(m) for m in c.preload)}]\n"
+            f"[etcd]\nendpoints = [{', '.join(repr(e) for e in self.etcd.endpoints)}]\n"
             .replace("'", '"'))
         args = [self._python, "-m", "stalwart.cli.main", "--log-level", "info", "agent", "--config", str(cfg)]
         env = self._env

@@ -73,6 +73,9 @@ class ClusterSpec:
     # always so with a network-cut fault)
     node_network: bool = False
     spares: int = 0  # warm spare workers per node
+    # modules each agent's preload process imports once; its workers and spares are forked from it
+    # (AgentConfig.preload; empty: every worker starts cold)
+    preload: tuple[str, ...] = ("torch", "deepspeed", "stalwart.trainer")
 
 
 @dataclass(frozen=True)

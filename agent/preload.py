@@ -1,0 +1,437 @@
+"""Workers forked from a process that imported the heavy modules once (a preload process).
+
+Why: every worker and warm spare of a node imports torch and DeepSpeed on its own, seconds each,
+all of them at once at start-up (on a small node they share its cores) and again for every
+replacement. With ``AgentConfig.preload`` the agent starts one preload process as it starts: it
+imports those modules while the cluster comes up, then forks each worker, which runs the
+command's script or module as ``python script.py args`` would have, with its own environment,
+session, working directory and log. A worker is then as far as a fork from its first line of
+user code.
+
+The preload process forks from its only thread and never starts a GPU (CUDA is not initialised:
+a child could not use it); a module that starts a thread or CUDA at import fails the preload, and
+the agent spawns cold, as without it. It reports each child's exit status, so a forked worker's
+exit is classified like a spawned one's. When it is gone (the agent restarts, it crashes) its
+children live on, reparented: they are watched through a pidfd, their status unknown, as adopted
+workers are (:class:`~stalwart.agent.adopt.AdoptedProcess`).
+
+A forked worker's ``/proc/<pid>/environ`` is the preload process's (a fork does not exec): the
+node's environment with ``STALWART_NODE`` and ``STALWART_SOCKET``, without the rank's variables,
+which only the worker's ``os.environ`` holds.
+
+Only a command of the form ``python [options] script.py args`` or ``python [options] -m module
+args`` can be forked (:func:`parse_command`); any other is spawned as it is.
+
+This module runs as the preload process (``python -m stalwart.agent.preload``): it imports
+nothing of stalwart beyond what its package does, and nothing heavy before the modules asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Interpreter options that take no argument, and those that take one (``-X dev``, ``-W error``).
+_FLAGS = {"-u", "-B", "-O", "-OO", "-s", "-E", "-b", "-bb", "-q", "-R"}
+_FLAGS_WITH_ARG = {"-X", "-W"}
+SETSID_TIMEOUT_S = 5.0  # how long the preload process waits for a child's new session before it answers
+
+
+class PreloadError(Exception):
+    """The preload process could not start, import its modules, or fork a worker."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a worker command runs, taken apart so that a fork of the preload process can run it."""
+
+    interpreter: str
+    flags: tuple[str, ...]
+    script: str | None  # ``python script.py``
+    module: str | None  # ``python -m module``
+    args: tuple[str, ...]
+
+
+def parse_command(command: Sequence[str]) -> Target | None:
+    """``command`` as a :class:`Target`, or ``None`` when it is not ``python [options] script``
+    or ``python [options] -m module`` (``-c``, a shell, a wrapper: those are spawned as they are)."""
+    if not command or not Path(command[0]).name.startswith("python"):
+        return None
+    flags: list[str] = []
+    i = 1
+    while i < len(command):
+        arg = command[i]
+        if arg in _FLAGS:
+            flags.append(arg)
+            i += 1
+        elif arg in _FLAGS_WITH_ARG and i + 1 < len(command):
+            flags += [arg, command[i + 1]]
+            i += 2
+        elif arg == "-m" and i + 1 < len(command):
+            return Target(command[0], tuple(flags), None, command[i + 1], tuple(command[i + 2:]))
+        elif arg.startswith("-"):
+            return None  # -c, or an option this parser does not know
+        else:
+            return Target(command[0], tuple(flags), arg, None, tuple(command[i + 1:]))
+    return None
+
+
+class ForkedProcess:
+    """A worker forked by the preload process: the part of ``subprocess.Popen`` that a
+    :class:`~stalwart.agent.workers.Worker` uses (``pid``, ``wait``, ``poll``, ``returncode``).
+    ``wait`` returns ``None`` for a status that is unknown (the preload process went first)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+        self._fd: int | None = None
+        try:
+            self._fd = os.pidfd_open(pid)  # now, while the pid surely is this child
+        except (ProcessLookupError, OSError):
+            self._fd = None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def _exited(self, status: int | None) -> None:
+        self.returncode = status
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._ended.set()
+
+    def _orphaned(self) -> None:
+        """The preload process is gone: wait on the pidfd, the status unknown."""
+        fd = self._fd
+        if fd is None:
+            self._exited(None)
+            return
+
+        def watch() -> None:
+            select.select([fd], [], [])
+            self._exited(None)
+
+        threading.Thread(target=watch, daemon=True, name=f"forked-wait {self.pid}").start()
+
+
+class Preloader:
+    """The agent's side of one preload process for one worker command."""
+
+    def __init__(self, target: Target, modules: Sequence[str], log_path: Path, env: Mapping[str, str],
+                 cwd: str | None = None) -> None:
+        self.target = target
+        self.modules = tuple(modules)
+        self.log_path = log_path
+        self._env = dict(env)
+        self._cwd = cwd
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()  # one spawn request at a time
+        self._ready = threading.Event()
+        self._gone = threading.Event()
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._reply = threading.Condition()
+        self._children: dict[int, ForkedProcess] = {}
+        self._early: dict[int, int] = {}  # exits reported before the spawn's caller took the pid
+        self._next_id = 0
+        self.ready_after: float | None = None  # seconds from start to ready
+        self.error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self._gone.is_set()
+
+    def start(self) -> None:
+        """Start the preload process; it imports in the background (:meth:`wait_ready`)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        argv = [self.target.interpreter, *self.target.flags, "-m", "stalwart.agent.preload",
+                "--fd", str(theirs.fileno()), *self.modules]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self._proc = subprocess.Popen(argv, env=self._env, cwd=self._cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                          stderr=subprocess.STDOUT, pass_fds=(theirs.fileno(),),
+                                          start_new_session=True)
+        theirs.close()
+        self._sock = ours
+        self._started = time.monotonic()
+        threading.Thread(target=self._read, daemon=True, name="preload-reader").start()
+        log.info("preload process (pid %d) importing %s, log %s", self._proc.pid, ", ".join(self.modules),
+                 self.log_path)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the preload process is ready to fork within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.is_set() and not self._gone.is_set():
+            if not self._ready.wait(min(0.05, max(0.0, deadline - time.monotonic()))) \
+                    and time.monotonic() >= deadline:
+                break
+        return self.ready
+
+    def spawn(self, env: Mapping[str, str], log_path: Path, cwd: str | None) -> ForkedProcess | None:
+        """Fork a worker with this environment, log and working directory; ``None`` when the
+        preload process is not ready or is gone (the caller then spawns the command cold)."""
+        if not self.ready or self._sock is None:
+            return None
+        with self._lock:
+            self._next_id += 1
+            rid = self._next_id
+            request = {"op": "spawn", "id": rid, "target": asdict(self.target), "env": dict(env), "cwd": cwd,
+                       "log": str(log_path)}
+            try:
+                self._sock.sendall(json.dumps(request).encode() + b"\n")
+            except OSError as exc:
+                log.warning("preload process unreachable (%s): spawning cold", exc)
+                return None
+            with self._reply:
+                if not self._reply.wait_for(lambda: rid in self._replies or self._gone.is_set(),
+                                            SETSID_TIMEOUT_S + 5.0):
+                    log.warning("preload process did not answer a spawn in time: spawning cold")
+                    return None
+                reply = self._replies.pop(rid, None)
+                if reply is None:
+                    return None
+                if "error" in reply:
+                    log.warning("preload process could not fork a worker (%s): spawning cold", reply["error"])
+                    return None
+                proc = ForkedProcess(int(reply["pid"]))
+                self._children[proc.pid] = proc
+                if proc.pid in self._early:
+                    self._children.pop(proc.pid)._exited(self._early.pop(proc.pid))
+                return proc
+
+    def close(self) -> None:
+        """Stop the preload process (its children live on)."""
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    def _read(self) -> None:
+        assert self._sock is not None
+        buf = b""
+        try:
+            while True:
+                data = self._sock.recv(65536)
+                if not data:
+                    break
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    self._handle(json.loads(line))
+        except (OSError, ValueError) as exc:
+            log.warning("preload process: %s", exc)
+        finally:
+            self._lost()
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "ready":
+            self.ready_after = time.monotonic() - self._started
+            log.info("preload process ready after %.2f s (imports %.2f s)", self.ready_after, msg["seconds"])
+            self._ready.set()
+        elif op == "failed":
+            self.error = str(msg.get("error"))
+            log.warning("preload process failed: %s; workers are spawned cold", self.error)
+        elif op == "spawned":
+            with self._reply:
+                self._replies[int(msg["id"])] = msg
+                self._reply.notify_all()
+        elif op == "exit":
+            pid, status = int(msg["pid"]), int(msg["status"])
+            with self._reply:
+                child = self._children.pop(pid, None)
+                if child is None:
+                    self._early[pid] = status
+            if child is not None:
+                child._exited(status)
+
+    def _lost(self) -> None:
+        with self._reply:
+            self._gone.set()
+            self._reply.notify_all()
+            orphans, self._children = list(self._children.values()), {}
+        if orphans:
+            log.warning("preload process gone: %d forked worker(s) watched without their exit status", len(orphans))
+        for child in orphans:
+            child._orphaned()
+
+
+# --- the preload process -------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    target: dict[str, Any]
+    env: dict[str, str]
+    cwd: str | None
+    log: str
+
+
+def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    try:
+        sock.sendall(json.dumps(msg).encode() + b"\n")
+    except OSError:
+        pass  # the agent is gone: the loop sees the end of its socket
+
+
+def _preload(modules: Sequence[str]) -> None:
+    import importlib
+
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # a CUDA check must not start CUDA
+    for name in modules:
+        importlib.import_module(name)
+    if threading.active_count() != 1:
+        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        raise PreloadError(f"the imports started threads ({names}): forking would copy them half-done")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise PreloadError("the imports initialised CUDA: a forked worker could not use it")
+
+
+def serve(fd: int, modules: Sequence[str]) -> _Job | None:
+    """The preload process's loop. Returns in a forked child (with what it is to run), or
+    ``None`` in the preload process itself when the agent is gone."""
+    sock = socket.socket(fileno=fd)
+    t0 = time.monotonic()
+    try:
+        _preload(modules)
+    except BaseException as exc:  # noqa: BLE001 - reported, then the agent spawns cold
+        _send(sock, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        return None
+    _send(sock, {"op": "ready", "seconds": round(time.monotonic() - t0, 3)})
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    buf = b""
+    while True:
+        ready, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+            _reap(sock)
+        if sock not in ready:
+            continue
+        data = sock.recv(65536)
+        if not data:
+            return None
+        buf += data
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            req = json.loads(line)
+            job = _Job(req["target"], req["env"], req["cwd"], req["log"])
+            pid, sync_r = _fork(sock, wake_r, wake_w)
+            if pid == 0:
+                return job
+            _send(sock, {"op": "spawned", "id": req["id"], "pid": pid} if _child_settled(sync_r)
+                  else {"op": "spawned", "id": req["id"], "error": f"pid {pid} did not start its session"})
+        _reap(sock)
+
+
+def _fork(sock: socket.socket, wake_r: int, wake_w: int) -> tuple[int, int]:
+    """Fork; the child starts its own session (its process group is the worker's, as the agent
+    signals it) and then says so on a pipe. Returns (pid, the pipe's read end) in the parent."""
+    sync_r, sync_w = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for f in (wake_r, wake_w, sync_r):
+            os.close(f)
+        sock.close()
+        os.setsid()
+        os.write(sync_w, b"1")
+        os.close(sync_w)
+        return 0, -1
+    os.close(sync_w)
+    return pid, sync_r
+
+
+def _child_settled(sync_r: int) -> bool:
+    try:
+        ready, _, _ = select.select([sync_r], [], [], SETSID_TIMEOUT_S)
+        return bool(ready) and os.read(sync_r, 1) == b"1"
+    finally:
+        os.close(sync_r)
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"op": "exit", "pid": pid, "status": os.waitstatus_to_exitcode(status)})
+
+
+def run_job(job: _Job) -> None:
+    """In the forked child: become the worker the command describes, then run its code."""
+    import runpy
+
+    fd = os.open(job.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(job.env)
+    if job.cwd:
+        os.chdir(job.cwd)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # a fresh process's global RNG state, not the preload process's copy
+    target = job.target
+    if target["script"] is not None:
+        script = os.path.abspath(target["script"])
+        sys.argv = [target["script"], *target["args"]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+    else:
+        sys.argv = [target["module"], *target["args"]]  # runpy sets argv[0] to the module's file
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target["module"], run_name="__main__", alter_sys=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2 or args[0] != "--fd":
+        sys.exit("usage: python -m stalwart.agent.preload --fd FD MODULE...")
+    job = serve(int(args[1]), args[2:])
+    if job is not None:
+        run_job(job)
+
+
+if __name__ == "__main__":
+    main()
