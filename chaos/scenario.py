@@ -74,8 +74,10 @@ class ClusterSpec:
     node_network: bool = False
     spares: int = 0  # warm spare workers per node
     # modules each agent's preload process imports once; its workers and spares are forked from it
-    # (AgentConfig.preload; empty: every worker starts cold)
-    preload: tuple[str, ...] = ("torch", "deepspeed", "stalwart.trainer")
+    # (AgentConfig.preload; empty: every worker starts cold). torch's compiler stack is imported
+    # lazily by the optimizer and by deepspeed.initialize: 1.5 s of a worker's start without it
+    preload: tuple[str, ...] = ("torch", "deepspeed", "stalwart.trainer", "torch._dynamo",
+                                "torch._inductor.compile_fx", "networkx")
 
 
 @dataclass(frozen=True)
