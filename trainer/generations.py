@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from stalwart.ckpt import Shard, decode_metadata
-from stalwart.trainer.peer_fill import fill_from_parts, useful
+from stalwart.trainer.peer_fill import PeerFill, fill_from_parts, useful
 from stalwart.trainer.peer_wire import Part
 
 __all__ = ["Generation", "MemoryRestore", "MemoryStore", "choose_generation", "fill_generation",
@@ -53,10 +53,7 @@ class MemoryRestore:
     parts held for others, parts pulled) and the metadata this rank applies."""
 
     generation: Generation
-    own_bytes: int
-    held_bytes: int
-    pulled_bytes: int
-    pulled: dict[int, int]  # origin rank -> the rank it was pulled from
+    fill: PeerFill
     trainer_meta: dict[str, Any]
     rng: dict[str, Any] | None  # this rank's saved RNG streams (None: the world grew past it)
 
@@ -227,16 +224,8 @@ def fill_generation(store: MemoryStore, pull: Pull, gen: Generation, reports: Se
     except (KeyError, TypeError, ValueError) as exc:
         log.warning("rank %d: memory generation of step %d: malformed metadata (%s)", rank, gen.step, exc)
         return rest, None
-    result = MemoryRestore(gen, 0, 0, 0, {}, trainer_meta, rng)
-    for origin, n in copied.items():
-        if origin == own_rank:
-            result.own_bytes += n
-        elif origin in local_origins:
-            result.held_bytes += n
-        else:
-            result.pulled_bytes += n
-            result.pulled[origin] = holder[origin][0]
-    return rest, result
+    fill = PeerFill.of(copied, own_rank, local_origins, {o: h for o, (h, _) in holder.items()})
+    return rest, MemoryRestore(gen, fill, trainer_meta, rng)
 
 
 def restore_from_memory(store: MemoryStore, pull: Pull, targets: dict[str, torch.Tensor | Shard],

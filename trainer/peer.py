@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ import torch
 from stalwart.ckpt import CommittedSnapshot, SaveHandle, Shard
 from stalwart.proto.contract import ENV_NODE
 from stalwart.trainer.generations import Generation, MemoryStore
-from stalwart.trainer.peer_fill import fill_from_parts, useful
+from stalwart.trainer.peer_fill import PeerFill, fill_from_parts, useful
 from stalwart.trainer.peer_wire import (
     Part,
     PeerError,
@@ -89,21 +89,6 @@ class PeerConfig:
         if self.timeout_s <= 0 or self.pull_timeout_s <= 0:
             raise ValueError(f"peer timeout_s and pull_timeout_s must be positive, got {self.timeout_s}, "
                              f"{self.pull_timeout_s}")
-
-
-@dataclass
-class PeerFill:
-    """What a restore took from memory: bytes from this process's own copy, from copies it held
-    for other ranks, and pulled from peers; the parts pulled (origin rank -> holder rank)."""
-
-    own_bytes: int = 0
-    held_bytes: int = 0
-    pulled_bytes: int = 0
-    pulled: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.own_bytes + self.held_bytes + self.pulled_bytes
 
 
 def node_key() -> str:
@@ -325,7 +310,6 @@ class PeerReplicas:
         summaries = [p.summary() for p in mine]
         everyone: list[Any] = [None] * world_size
         dist.all_gather_object(everyone, summaries, group=group)
-        result = PeerFill()
         own_rank = self._own.rank if self._own is not None and self._own.step == step else None
         local_origins = {p.rank for p in mine}
         holder: dict[int, tuple[int, dict[str, Any]]] = {}
@@ -351,15 +335,7 @@ class PeerReplicas:
             with ThreadPoolExecutor(max_workers=min(8, len(wanted)), thread_name_prefix="stalwart-peer-pull") as ex:
                 pulled = [p for p in ex.map(pull, sorted(wanted)) if p is not None]
         rest, copied = fill_from_parts(targets, [*mine, *pulled])
-        for origin, n in copied.items():
-            if origin == own_rank:
-                result.own_bytes += n
-            elif origin in local_origins:
-                result.held_bytes += n
-            else:
-                result.pulled_bytes += n
-                result.pulled[origin] = holder[origin][0]
-        return rest, result
+        return rest, PeerFill.of(copied, own_rank, local_origins, {o: h for o, (h, _) in holder.items()})
 
     def pull_generation(self, holder: int, origin: int, gen: Generation, names: list[str] | None) -> Part:
         """``origin``'s part of memory generation ``gen`` from rank ``holder`` of this world

@@ -6,7 +6,8 @@ memory generation (``trainer/generations.py``): both hold parts laid out as a ch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,7 +15,38 @@ import torch
 from stalwart.ckpt import Region, Shard
 from stalwart.trainer.peer_wire import Part
 
-__all__ = ["fill_from_parts", "useful"]
+__all__ = ["PeerFill", "fill_from_parts", "useful"]
+
+
+@dataclass
+class PeerFill:
+    """What a restore took from memory: bytes from this process's own copy, from copies it held
+    for other ranks, and pulled from peers; the parts pulled (origin rank -> holder rank)."""
+
+    own_bytes: int = 0
+    held_bytes: int = 0
+    pulled_bytes: int = 0
+    pulled: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.own_bytes + self.held_bytes + self.pulled_bytes
+
+    @classmethod
+    def of(cls, copied: Mapping[int, int], own_rank: int | None, local_origins: Collection[int],
+           holder: Mapping[int, int]) -> PeerFill:
+        """Split the bytes :func:`fill_from_parts` copied per origin rank by where each part came
+        from: this process's own, a copy it held, or pulled from ``holder[origin]``."""
+        fill = cls()
+        for origin, n in copied.items():
+            if origin == own_rank:
+                fill.own_bytes += n
+            elif origin in local_origins:
+                fill.held_bytes += n
+            else:
+                fill.pulled_bytes += n
+                fill.pulled[origin] = holder[origin]
+        return fill
 
 
 def fill_from_parts(targets: dict[str, torch.Tensor | Shard],

@@ -105,9 +105,9 @@ class RestoreMixin:
         self._apply_state(staged, meta, step)
         self.client_state.restore(self.config.checkpoint_dir, step, None, self._coord, self.config.commit_timeout_s)
         self._apply_streams(got.rng, step, meta, found["journal"])
-        self._peer_fill = PeerFill(got.own_bytes, got.held_bytes, got.pulled_bytes, dict(got.pulled))
-        self._record_restore(step, saved_world, "memory", got.own_bytes, got.held_bytes + got.pulled_bytes, 0, [],
-                             rollback=False)
+        self._peer_fill = got.fill
+        self._record_restore(step, saved_world, "memory", got.fill.own_bytes,
+                             got.fill.held_bytes + got.fill.pulled_bytes, 0, [], rollback=False)
         return RestoreInfo(step, DataPosition.from_json(meta["position"]), saved_world, from_memory=True)
 
     def _restore_from_storage(self, found: dict[str, Any], max_step: int | None, *, rollback: bool, required: bool,

@@ -10,7 +10,7 @@ import torch
 
 from stalwart.ckpt import Region, Shard, encode_metadata
 from stalwart.trainer.generations import Generation, MemoryStore, choose_generation, fill_generation
-from stalwart.trainer.peer import PeerConfig, PeerReplicas
+from stalwart.trainer.peer import PeerConfig, PeerFill, PeerReplicas
 from stalwart.trainer.peer_wire import Part, entries
 
 
@@ -110,7 +110,7 @@ def test_a_rank_fills_its_targets_from_its_part_and_parts_pulled_from_the_holder
     assert rest == {} and got is not None
     assert torch.equal(target, torch.arange(6, 12, dtype=torch.float32) + 800)
     assert got.rng == {"seed": bytes([1, 8])} and got.trainer_meta == {"step": 8, "from": 0}
-    assert got.own_bytes == 8 and got.held_bytes == 0 and got.pulled_bytes == 16 and got.pulled == {2: 0}
+    assert got.fill == PeerFill(own_bytes=8, held_bytes=0, pulled_bytes=16, pulled={2: 0})
     # A part pulled from another lineage's tag finds nothing.
     with pytest.raises(Exception, match="no part of rank 2 at step 8"):
         b.pull_generation(0, 2, Generation("b", 8, 3), ["w"])
