@@ -10,46 +10,27 @@ the disk when it hears that save failed.
 from __future__ import annotations
 
 import os
-import queue
 import subprocess
-import threading
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
-from trainer_testlib import REPO, Direct, tail
+from trainer_testlib import REPO, Direct, ProgressAgent, tail
 
 from stalwart.ckpt import list_checkpoints
-from stalwart.proto import agent_pb2, agent_pb2_grpc
+from stalwart.proto import agent_pb2
 
 pytestmark = pytest.mark.timeout(600)
 
 
-class DiskAgent(agent_pb2_grpc.ProgressServicer):
-    """Records what the worker says; frees the disk (``filler``) at its first failed save, if asked."""
+def disk_agent(filler: Path, free_on_failure: bool) -> ProgressAgent:
+    """A stand-in agent that frees the disk (``filler``) at the worker's first failed save, if asked."""
 
-    def __init__(self, filler: Path, free_on_failure: bool) -> None:
-        self.messages: queue.Queue[agent_pb2.WorkerMessage] = queue.Queue()
-        self.closed = threading.Event()
-        self.filler, self.free_on_failure = filler, free_on_failure
+    def act(msg: agent_pb2.WorkerMessage) -> None:
+        if msg.WhichOneof("kind") == "checkpoint" and not msg.checkpoint.committed and free_on_failure:
+            filler.unlink(missing_ok=True)
 
-    def Connect(self, request_iterator: Iterator[agent_pb2.WorkerMessage],  # noqa: N802 - gRPC's name
-                context: grpc.ServicerContext) -> Iterator[agent_pb2.AgentCommand]:
-        for msg in request_iterator:
-            self.messages.put(msg)
-            if msg.WhichOneof("kind") == "checkpoint" and not msg.checkpoint.committed and self.free_on_failure:
-                self.filler.unlink(missing_ok=True)
-        self.closed.set()
-        return iter(())
-
-    def said(self) -> dict[str, list[agent_pb2.WorkerMessage]]:
-        kinds: dict[str, list[agent_pb2.WorkerMessage]] = {}
-        while not self.messages.empty():
-            msg = self.messages.get()
-            kinds.setdefault(msg.WhichOneof("kind"), []).append(msg)
-        return kinds
+    return ProgressAgent(act)
 
 
 @pytest.fixture
@@ -74,29 +55,24 @@ def full_disk(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def _run(ds_env: dict[str, str], tmp_path: Path, disk: Path, agent: DiskAgent, *extra: str) -> int:
-    sock = tmp_path / "agent.sock"
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    agent_pb2_grpc.add_ProgressServicer_to_server(agent, server)
-    server.add_insecure_port(f"unix:{sock}")
-    server.start()
-    jobs = Direct({**ds_env, "STALWART_AGENT_SOCKET": str(sock)})
-    try:
-        log = tmp_path / "run.log"
-        rc = jobs.run(1, str(REPO / "examples" / "train_gpt.py"), "--ckpt-dir", str(disk / "ckpt"), "--steps", "4",
-                      "--save-every", "1000", *extra, log=log)
-        assert agent.closed.wait(30), tail(log)
-        print(tail(log))
-        return rc
-    finally:
-        jobs.close()
-        server.stop(0)
+def _run(ds_env: dict[str, str], tmp_path: Path, disk: Path, agent: ProgressAgent, *extra: str) -> int:
+    with agent.serving(tmp_path / "agent.sock") as sock:
+        jobs = Direct({**ds_env, "STALWART_AGENT_SOCKET": str(sock)})
+        try:
+            log = tmp_path / "run.log"
+            rc = jobs.run(1, str(REPO / "examples" / "train_gpt.py"), "--ckpt-dir", str(disk / "ckpt"), "--steps",
+                          "4", "--save-every", "1000", *extra, log=log)
+            assert agent.closed.wait(30), tail(log)
+            print(tail(log))
+            return rc
+        finally:
+            jobs.close()
 
 
 def test_a_last_save_on_a_full_disk_is_tried_again_and_commits_once_the_disk_is_freed(
         ds_env: dict[str, str], tmp_path: Path, full_disk: tuple[Path, Path]) -> None:
     disk, filler = full_disk
-    agent = DiskAgent(filler, free_on_failure=True)
+    agent = disk_agent(filler, free_on_failure=True)
     assert _run(ds_env, tmp_path, disk, agent) == 0
     said = agent.said()
     assert [(m.checkpoint.step, m.checkpoint.committed) for m in said["checkpoint"]] == [(4, False), (4, True)]
@@ -107,7 +83,7 @@ def test_a_last_save_on_a_full_disk_is_tried_again_and_commits_once_the_disk_is_
 def test_without_retries_a_last_save_that_fails_fails_the_worker_and_it_does_not_say_it_finished(
         ds_env: dict[str, str], tmp_path: Path, full_disk: tuple[Path, Path]) -> None:
     disk, filler = full_disk
-    agent = DiskAgent(filler, free_on_failure=False)
+    agent = disk_agent(filler, free_on_failure=False)
     assert _run(ds_env, tmp_path, disk, agent, "--final-save-retry", "0") != 0
     said = agent.said()
     assert [(m.checkpoint.step, m.checkpoint.committed) for m in said["checkpoint"]] == [(4, False)]

@@ -13,15 +13,11 @@ checkpoint from storage instead.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from test_reform import STEPS, Harness, free_port, print_timings
-
-from stalwart.ckpt.storage import step_dir_name
+from test_reform import STEPS, Harness, assert_same_as_restart, free_port, lose_rank_2, print_timings, restart_reference
 
 KILL_AT = 8  # a memory generation's step (8 is no save: those are 3, 6, 9, 12)
 COMMITTED = 6
@@ -35,20 +31,6 @@ def jobs() -> list[Harness]:
         h.close()
 
 
-def _lose_rank_2(job: Harness, nodes: list[str], extra: tuple[str, ...]) -> tuple[float, dict[str, dict[str, Any]]]:
-    port = free_port()
-    for r in range(3):
-        job.start(f"w{r}", rank=r, world=3, port=port,
-                  extra=(*extra, "--memory-every", "1", "--node", nodes[r],
-                         *(("--kill-at-step", str(KILL_AT)) if r == 2 else ())))  # fmt: skip
-    killed = job.wait_marker("w2", "killed")
-    job.procs["w2"].wait(timeout=30)
-    new_port = free_port()
-    job.reform("w0", rank=0, world=2, port=new_port, round=1)
-    job.reform("w1", rank=1, world=2, port=new_port, round=1)
-    return killed["time"], job.wait(["w0", "w1"])
-
-
 def _restores(job: Harness) -> list[dict[str, Any]]:
     events = [json.loads(line) for line in job.steps_log.read_text().splitlines()]
     return [e for e in events if e["event"] == "restore" and e.get("world_size") == 2]
@@ -60,7 +42,7 @@ def test_a_lost_rank_is_restored_at_its_last_step_from_memory_and_matches_a_save
     common = ("--zero-stage", str(stage))
     job = Harness(tmp_path, ds_env)
     jobs.append(job)
-    kill_time, results = _lose_rank_2(job, ["n0", "n1", "n2"], common)
+    kill_time, results = lose_rank_2(job, KILL_AT, (*common, "--memory-every", "1"))
     print_timings(f"3->2 kill, memory generations, ZeRO-{stage}", kill_time, results)
     for name, res in results.items():
         assert "error" not in res, (name, res["error"], job.logs())
@@ -79,21 +61,9 @@ def test_a_lost_rank_is_restored_at_its_last_step_from_memory_and_matches_a_save
         full.start(f"f{r}", rank=r, world=3, port=port,
                    extra=(*common, "--node", f"n{r}", "--steps", str(KILL_AT), "--save-every", "4"))
     full.wait(["f0", "f1", "f2"])
-    ref = Harness(tmp_path, ds_env, "reference")
-    jobs.append(ref)
-    shutil.copytree(full.ckpt / step_dir_name(KILL_AT), ref.ckpt / step_dir_name(KILL_AT))
-    port = free_port()
-    for r in range(2):
-        ref.start(f"r{r}", rank=r, world=2, port=port, extra=(*common, "--node", f"n{r}"))
-    ref.wait(["r0", "r1"])
-    got, want = job.state("w0", KILL_AT), ref.state("r0", KILL_AT)
-    assert sorted(got) == sorted(want)
-    differ = [k for k in want if not torch.equal(got[k], want[k])]
-    assert not differ, f"state restored from memory differs from the saved run's: {differ[:5]}"
-    losses, expected = job.losses(), ref.losses()
-    later = {s: v for s, v in expected.items() if s > KILL_AT}
-    assert sorted(later) == list(range(KILL_AT + 1, STEPS + 1))
-    assert {s: losses[s] for s in later} == later
+    ref = restart_reference(jobs, full, ds_env, tmp_path, common, step=KILL_AT, nodes=True)
+    assert_same_as_restart(job, "w0", ref, KILL_AT)
+    losses = job.losses()
     # Before the fault the job's own losses agree with the unfailed run's (one trajectory).
     assert {s: losses[s] for s in range(1, KILL_AT + 1)} == {s: full.losses()[s] for s in range(1, KILL_AT + 1)}
 
@@ -104,7 +74,7 @@ def test_a_generation_whose_lost_part_no_one_holds_falls_back_to_the_checkpoint_
     with it; the survivors still have theirs, and must not restore an incomplete step."""
     job = Harness(tmp_path, ds_env)
     jobs.append(job)
-    _, results = _lose_rank_2(job, ["n0", "n0", "n0"], ())
+    _, results = lose_rank_2(job, KILL_AT, ("--memory-every", "1"), nodes=("n0", "n0", "n0"))
     for name, res in results.items():
         assert "error" not in res, (name, res["error"], job.logs())
         (t,) = res["reforms"]

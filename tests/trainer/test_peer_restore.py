@@ -9,13 +9,10 @@ from the checkpoint on disk: the restored state and every later loss.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from test_reform import RESTORED, STEPS, Harness, assert_same_as_restart, free_port, print_timings
-
-from stalwart.ckpt.storage import step_dir_name
+from test_reform import RESTORED, STEPS, Harness, assert_same_as_restart, lose_rank_2, print_timings, restart_reference
 
 
 @pytest.fixture
@@ -31,18 +28,9 @@ def test_a_lost_node_is_restored_from_peer_memory_without_reading_storage(
         ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness], stage: int) -> None:
     job = Harness(tmp_path, ds_env)
     jobs.append(job)
-    port = free_port()
     common = ("--zero-stage", str(stage))
-    for r in range(3):
-        extra = (*common, "--node", f"n{r}", *(("--kill-at-step", "7") if r == 2 else ()))
-        job.start(f"w{r}", rank=r, world=3, port=port, extra=extra)
-    killed = job.wait_marker("w2", "killed")
-    job.procs["w2"].wait(timeout=30)
-    new_port = free_port()
-    job.reform("w0", rank=0, world=2, port=new_port, round=1)
-    job.reform("w1", rank=1, world=2, port=new_port, round=1)
-    results = job.wait(["w0", "w1"])
-    print_timings(f"3->2 kill, peers, ZeRO-{stage}", killed["time"], results)
+    kill_time, results = lose_rank_2(job, 7, common)
+    print_timings(f"3->2 kill, peers, ZeRO-{stage}", kill_time, results)
     for name, res in results.items():
         assert "error" not in res, (name, res["error"], job.logs())
         (t,) = res["reforms"]
@@ -53,13 +41,7 @@ def test_a_lost_node_is_restored_from_peer_memory_without_reading_storage(
     restore = [e for e in job_events(job) if e["event"] == "restore" and e.get("world_size") == 2]
     assert restore and restore[0]["world_disk_bytes"] == 0 and restore[0]["world_peer_bytes"] > 0
 
-    ref = Harness(tmp_path, ds_env, "reference")
-    jobs.append(ref)
-    shutil.copytree(job.ckpt / step_dir_name(RESTORED), ref.ckpt / step_dir_name(RESTORED))
-    ref_port = free_port()
-    for r in range(2):
-        ref.start(f"r{r}", rank=r, world=2, port=ref_port, extra=(*common, "--node", f"n{r}"))
-    ref.wait(["r0", "r1"])
+    ref = restart_reference(jobs, job, ds_env, tmp_path, common, nodes=True)
     assert_same_as_restart(job, "w0", ref)
 
 
@@ -69,16 +51,7 @@ def test_without_peer_replicas_the_lost_ranks_part_is_read_from_storage(
     (the test above fails its ``disk_bytes == 0`` for the same reason when replication is off)."""
     job = Harness(tmp_path, ds_env)
     jobs.append(job)
-    port = free_port()
-    for r in range(3):
-        extra = ("--no-peers", "--node", f"n{r}", *(("--kill-at-step", "7") if r == 2 else ()))
-        job.start(f"w{r}", rank=r, world=3, port=port, extra=extra)
-    job.wait_marker("w2", "killed")
-    job.procs["w2"].wait(timeout=30)
-    new_port = free_port()
-    job.reform("w0", rank=0, world=2, port=new_port, round=1)
-    job.reform("w1", rank=1, world=2, port=new_port, round=1)
-    results = job.wait(["w0", "w1"])
+    _, results = lose_rank_2(job, 7, ("--no-peers",))
     for name, res in results.items():
         assert "error" not in res, (name, res["error"], job.logs())
         (t,) = res["reforms"]

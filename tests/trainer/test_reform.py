@@ -122,33 +122,52 @@ def jobs() -> Iterator[list[Harness]]:
 
 
 def restart_reference(jobs: list[Harness], src: Harness, env: dict[str, str], tmp_path: Path,
-                      extra: tuple[str, ...] = ()) -> Harness:
-    """A run freshly started at world 2 from ``src``'s checkpoint of step RESTORED."""
+                      extra: tuple[str, ...] = (), *, step: int = RESTORED, nodes: bool = False) -> Harness:
+    """A run freshly started at world 2 from ``src``'s checkpoint of ``step`` (``nodes``: its
+    ranks on nodes n0 and n1, as a job's survivors of a lost n2)."""
     ref = Harness(tmp_path, env, "reference")
     jobs.append(ref)
-    name = step_dir_name(RESTORED)
+    name = step_dir_name(step)
     shutil.copytree(src.ckpt / name, ref.ckpt / name)
     port = free_port()
     for r in range(2):
-        ref.start(f"r{r}", rank=r, world=2, port=port, extra=extra)
+        ref.start(f"r{r}", rank=r, world=2, port=port, extra=(*extra, *(("--node", f"n{r}") if nodes else ())))
     ref.wait([f"r{r}" for r in range(2)])
     return ref
 
 
-def assert_same_as_restart(job: Harness, dumper: str, ref: Harness) -> None:
-    got, want = job.state(dumper, RESTORED), ref.state("r0", RESTORED)
+def assert_same_as_restart(job: Harness, dumper: str, ref: Harness, step: int = RESTORED) -> None:
+    """``job`` resumed at ``step`` equals ``ref`` started there: the state restored, every later
+    loss, and the shapes of the last checkpoint's tensors."""
+    got, want = job.state(dumper, step), ref.state("r0", step)
     assert sorted(got) == sorted(want)
     differ = [k for k in want if not torch.equal(got[k], want[k])]
     assert not differ, f"state after the re-form differs from a restart's: {differ[:5]}"
     losses, expected = job.losses(), ref.losses()
-    later = {s: v for s, v in expected.items() if s > RESTORED}
-    assert sorted(later) == list(range(RESTORED + 1, STEPS + 1))
+    later = {s: v for s, v in expected.items() if s > step}
+    assert sorted(later) == list(range(step + 1, STEPS + 1))
     assert {s: losses[s] for s in later} == later
     # The checkpoints saved after the re-form hold the whole state, as a restart's do (a collected
     # old engine once unlinked the parameters from the new one: those saves held no tensor).
     mine, theirs = read_manifest(str(job.ckpt), STEPS), read_manifest(str(ref.ckpt), STEPS)
     assert mine.tensors and {n: t.shape for n, t in mine.tensors.items()} == {
         n: t.shape for n, t in theirs.tensors.items()}
+
+
+def lose_rank_2(job: Harness, kill_at: int, extra: tuple[str, ...] = (),
+                nodes: tuple[str, ...] = ("n0", "n1", "n2")) -> tuple[float, dict[str, dict[str, Any]]]:
+    """Three ranks on ``nodes`` with ``extra``; rank 2 is SIGKILLed after step ``kill_at`` and the
+    survivors re-form 3 -> 2. Returns the kill's time and the survivors' results."""
+    port = free_port()
+    for r in range(3):
+        job.start(f"w{r}", rank=r, world=3, port=port,
+                  extra=(*extra, "--node", nodes[r], *(("--kill-at-step", str(kill_at)) if r == 2 else ())))
+    killed = job.wait_marker("w2", "killed")
+    job.procs["w2"].wait(timeout=30)
+    new_port = free_port()
+    for r in range(2):
+        job.reform(f"w{r}", rank=r, world=2, port=new_port, round=1)
+    return killed["time"], job.wait(["w0", "w1"])
 
 
 def start_three(jobs: list[Harness], env: dict[str, str], tmp_path: Path, collective_timeout: float, odd_rank: int,

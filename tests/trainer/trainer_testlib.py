@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
+
+from stalwart.proto import agent_pb2, agent_pb2_grpc
 from testkit import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,3 +99,42 @@ def tail(log: Path, lines: int = 40) -> str:
     if not log.exists():
         return "(no log)"
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+class ProgressAgent(agent_pb2_grpc.ProgressServicer):
+    """The agent's real gRPC Progress service, standing in for the agent: it records what a
+    worker says and, with ``on_message``, acts on each message (a test's agent side)."""
+
+    def __init__(self, on_message: Callable[[agent_pb2.WorkerMessage], None] | None = None) -> None:
+        self.messages: queue.Queue[agent_pb2.WorkerMessage] = queue.Queue()
+        self.closed = threading.Event()
+        self._on_message = on_message
+
+    def Connect(self, request_iterator: Iterator[agent_pb2.WorkerMessage],  # noqa: N802 - gRPC's name
+                context: grpc.ServicerContext) -> Iterator[agent_pb2.AgentCommand]:
+        for msg in request_iterator:
+            self.messages.put(msg)
+            if self._on_message is not None:
+                self._on_message(msg)
+        self.closed.set()
+        return iter(())
+
+    def said(self) -> dict[str, list[agent_pb2.WorkerMessage]]:
+        """What was said so far, by kind of message."""
+        kinds: dict[str, list[agent_pb2.WorkerMessage]] = {}
+        while not self.messages.empty():
+            msg = self.messages.get()
+            kinds.setdefault(msg.WhichOneof("kind") or "", []).append(msg)
+        return kinds
+
+    @contextmanager
+    def serving(self, sock: Path) -> Iterator[Path]:
+        """Serve on the unix socket ``sock`` (what ``STALWART_AGENT_SOCKET`` names) while inside."""
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        agent_pb2_grpc.add_ProgressServicer_to_server(self, server)
+        server.add_insecure_port(f"unix:{sock}")
+        server.start()
+        try:
+            yield sock
+        finally:
+            server.stop(0)
