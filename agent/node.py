@@ -47,6 +47,7 @@ from stalwart.agent.health import Finding, HealthProbe, make_probe
 from stalwart.agent.metrics import AgentMetrics
 from stalwart.agent.monitoring import MonitoringMixin
 from stalwart.agent.preload import Preloader, parse_command
+from stalwart.agent.priority import can_restore_priority
 from stalwart.agent.replacing import ReplacingMixin
 from stalwart.agent.rounds import RoundsMixin
 from stalwart.agent.service import WorkerChannels, start_node_server, start_progress_server
@@ -150,6 +151,8 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
         self._adopt()
         if carried is None and self._state.group is None and not self.spare_pool.workers():
             self._await_preload()  # a fresh start: the first round's workers can be forked
+        elif self.preloader is not None and self.config.spare_nice and can_restore_priority():
+            self.preloader.lower_priority(self.config.spare_nice)  # beside training workers: yield to them
         self._register(carried)
         self._save_state()
         self._await_adopted(ADOPTED_WAIT_S)

@@ -23,7 +23,10 @@ Only a command of the form ``python [options] script.py args`` or ``python [opti
 args`` can be forked (:func:`parse_command`); any other is spawned as it is.
 
 This module runs as the preload process (``python -m stalwart.agent.preload``): it imports
-nothing of stalwart beyond what its package does, and nothing heavy before the modules asked for.
+nothing of stalwart beyond ``agent/priority.py`` and what its package does, and nothing heavy
+before the modules asked for. It imports at ``nice`` when the agent may give its children the
+workers' priority back: an agent restarted beside training workers must not slow their steps
+with seconds of imports.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from stalwart.agent.priority import set_autogroup_nice
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +145,7 @@ class Preloader:
     def __init__(self, target: Target, modules: Sequence[str], log_path: Path, env: Mapping[str, str],
                  cwd: str | None = None) -> None:
         self.target = target
+        self.nice = 0  # > 0 (lower_priority): it imports at this nice value; each child starts at 0 again
         self.modules = tuple(modules)
         self.log_path = log_path
         self._env = dict(env)
@@ -178,6 +184,18 @@ class Preloader:
         log.info("preload process (pid %d) importing %s, log %s", self._proc.pid, ", ".join(self.modules),
                  self.log_path)
 
+    def lower_priority(self, nice: int) -> None:
+        """Import at ``nice`` (its process group and its session's autogroup), as a spare warms:
+        only where the caller may raise a priority again, since each child starts at nice 0."""
+        if self._proc is None or nice <= 0:
+            return
+        try:
+            os.setpriority(os.PRIO_PGRP, self._proc.pid, nice)  # its own session: the group is its pid
+            set_autogroup_nice(self._proc.pid, nice)
+            self.nice = nice
+        except OSError as exc:
+            log.warning("cannot lower the priority of the preload process: %s", exc)
+
     def wait_ready(self, timeout: float) -> bool:
         """Whether the preload process is ready to fork within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
@@ -196,7 +214,7 @@ class Preloader:
             self._next_id += 1
             rid = self._next_id
             request = {"op": "spawn", "id": rid, "target": asdict(self.target), "env": dict(env), "cwd": cwd,
-                       "log": str(log_path)}
+                       "log": str(log_path), "nice": 0 if self.nice > 0 else None}
             try:
                 self._sock.sendall(json.dumps(request).encode() + b"\n")
             except OSError as exc:
@@ -346,7 +364,7 @@ def serve(fd: int, modules: Sequence[str]) -> _Job | None:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
             job = _Job(req["target"], req["env"], req["cwd"], req["log"])
-            pid, sync_r = _fork(sock, wake_r, wake_w)
+            pid, sync_r = _fork(sock, wake_r, wake_w, req.get("nice"))
             if pid == 0:
                 return job
             _send(sock, {"op": "spawned", "id": req["id"], "pid": pid} if _child_settled(sync_r)
@@ -354,9 +372,11 @@ def serve(fd: int, modules: Sequence[str]) -> _Job | None:
         _reap(sock)
 
 
-def _fork(sock: socket.socket, wake_r: int, wake_w: int) -> tuple[int, int]:
+def _fork(sock: socket.socket, wake_r: int, wake_w: int, nice: int | None) -> tuple[int, int]:
     """Fork; the child starts its own session (its process group is the worker's, as the agent
-    signals it) and then says so on a pipe. Returns (pid, the pipe's read end) in the parent."""
+    signals it; a new session is a new scheduler autogroup, at nice 0), takes the nice value
+    ``nice`` if given (a niced preload process's child is a worker, not background work), and
+    then says so on a pipe. Returns (pid, the pipe's read end) in the parent."""
     sync_r, sync_w = os.pipe()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -368,6 +388,8 @@ def _fork(sock: socket.socket, wake_r: int, wake_w: int) -> tuple[int, int]:
             os.close(f)
         sock.close()
         os.setsid()
+        if nice is not None:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
         os.write(sync_w, b"1")
         os.close(sync_w)
         return 0, -1

@@ -23,10 +23,11 @@ from stalwart.agent.core import JoinFacts, join_readiness, refill_in_place, spar
 from stalwart.agent.health import Finding, Severity
 from stalwart.agent.metrics import AgentMetrics
 from stalwart.agent.preload import Preloader
+from stalwart.agent.priority import can_restore_priority
 from stalwart.agent.spares import SparePool
 from stalwart.agent.stall import StallDetector
 from stalwart.agent.state import NodeState, Progress
-from stalwart.agent.workers import ExitKind, Worker, WorkerExit, can_restore_priority, start_spare, stop_workers
+from stalwart.agent.workers import ExitKind, Worker, WorkerExit, start_spare, stop_workers
 
 log = logging.getLogger(__name__)
 

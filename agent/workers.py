@@ -23,6 +23,7 @@ from pathlib import Path
 
 from stalwart.agent.adopt import AdoptedProcess
 from stalwart.agent.preload import ForkedProcess, Preloader
+from stalwart.agent.priority import set_autogroup_nice
 from stalwart.coord.local import die_with_parent
 from stalwart.proto.contract import ENV_RESTORE_STEP, ENV_ROUND, ENV_SPARE, EXIT_DIVERGED, EXIT_STUCK
 
@@ -219,7 +220,7 @@ class Worker:
         self.niced = False
         try:
             os.setpriority(os.PRIO_PGRP, self.pid, 0)
-            _set_autogroup_nice(self.pid, 0)
+            set_autogroup_nice(self.pid, 0)
         except OSError as exc:
             log.warning("cannot give pid %d its workers' priority back: %s", self.pid, exc)
 
@@ -258,36 +259,6 @@ def _spawn(command: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: 
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _set_autogroup_nice(pid: int, nice: int) -> None:
-    """The nice value of the scheduler autogroup of ``pid``'s session (``/proc/<pid>/autogroup``).
-
-    Why: with autogroups on (the default of most distributions) CPU time is first shared between
-    sessions, and a process's own nice value counts only within its session. A spare runs in a
-    session of its own, so niced alone it would still take a whole session's share beside each
-    worker. A kernel without autogroups has no such file: nothing to do. Unprivileged writes are
-    rate-limited (EAGAIN): tried again once."""
-    path = f"/proc/{pid}/autogroup"
-    for attempt in range(2):
-        try:
-            with open(path, "w") as f:
-                f.write(str(nice))
-            return
-        except FileNotFoundError:
-            return
-        except BlockingIOError:
-            if attempt:
-                raise
-            time.sleep(0.11)
-
-
-def can_restore_priority() -> bool:
-    """Whether this process may lower a nice value again (root, or ``RLIMIT_NICE`` ≥ 20), as
-    :meth:`Worker.restore_priority` must for a spare started niced."""
-    import resource
-
-    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
-
-
 def start_spare(command: Sequence[str], log_dir: Path, on_exit: Callable[[WorkerExit], None], *,
                 extra_env: Mapping[str, str] | None = None, cwd: str | None = None, nice: int = 0,
                 preloader: Preloader | None = None) -> Worker:
@@ -307,7 +278,7 @@ def start_spare(command: Sequence[str], log_dir: Path, on_exit: Callable[[Worker
     if nice > 0:
         try:
             os.setpriority(os.PRIO_PGRP, proc.pid, nice)  # its own session: the group is its pid
-            _set_autogroup_nice(proc.pid, nice)
+            set_autogroup_nice(proc.pid, nice)
         except OSError as exc:
             log.warning("cannot lower the priority of spare pid %d: %s", proc.pid, exc)
     final = spare_dir / f"spare-{proc.pid}.log"

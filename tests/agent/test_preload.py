@@ -12,6 +12,7 @@ import pytest
 
 from stalwart.agent.config import AgentConfig, AgentConfigError
 from stalwart.agent.preload import Preloader, Target, parse_command
+from stalwart.agent.priority import can_restore_priority
 from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup
 from stalwart.coord.client import EtcdClient
 from stalwart.coord.keys import JobKeys
@@ -24,7 +25,8 @@ CHILD = """\
 import json, os, sys
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
                   "session": os.getsid(0) == os.getpid(), "env": os.environ.get("PRELOAD_TEST"),
-                  "preloaded": "json" in sys.modules, "ppid": os.getppid()}), flush=True)
+                  "preloaded": "json" in sys.modules, "ppid": os.getppid(),
+                  "nice": os.getpriority(os.PRIO_PROCESS, 0)}), flush=True)
 if os.environ.get("SLEEP"):
     import time
     time.sleep(60)
@@ -89,7 +91,25 @@ def test_a_forked_worker_runs_its_script_as_python_would_and_its_exit_status_is_
     seen = _report(log)
     script = str(tmp_path / "child.py")
     assert seen == {"argv": [script, "a", "b"], "path0": str(tmp_path), "cwd": str(tmp_path), "name": "__main__",
-                    "session": True, "env": "yes", "preloaded": True, "ppid": p._proc.pid}  # type: ignore[union-attr]
+                    "session": True, "env": "yes", "preloaded": True, "ppid": p._proc.pid,  # type: ignore[union-attr]
+                    "nice": 0}
+
+
+@pytest.mark.skipif(not can_restore_priority(), reason="needs root or RLIMIT_NICE >= 20")
+def test_a_preload_process_imports_niced_and_its_children_run_at_the_workers_priority(preloader,
+                                                                                      tmp_path: Path) -> None:
+    """An agent restarted beside training workers lowers its new preload process's priority;
+    the workers it forks must not keep it (the world would wait on them every step)."""
+    p = preloader()
+    p.lower_priority(10)
+    zygote = p._proc.pid  # type: ignore[union-attr]
+    assert os.getpriority(os.PRIO_PROCESS, zygote) == 10
+    assert Path(f"/proc/{zygote}/autogroup").read_text().split()[-1] == "10"
+    assert p.wait_ready(60), p.error
+    log = tmp_path / "w.log"
+    proc = p.spawn(dict(os.environ), log, None)
+    assert proc is not None and proc.wait(30) == 0
+    assert _report(log)["nice"] == 0
 
 
 def test_a_signalled_worker_reports_the_signal_and_one_that_outlives_the_preload_process_is_still_watched(

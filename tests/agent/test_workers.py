@@ -127,7 +127,7 @@ time.sleep(120)
             agent.kill()
 
 
-@pytest.mark.skipif(not __import__("stalwart.agent.workers", fromlist=["x"]).can_restore_priority(),
+@pytest.mark.skipif(not __import__("stalwart.agent.priority", fromlist=["x"]).can_restore_priority(),
                     reason="giving a priority back needs root or RLIMIT_NICE >= 20")
 def test_a_spare_warms_niced_and_taking_it_gives_every_thread_and_child_the_workers_priority_back(
         tmp_path: Path) -> None:
