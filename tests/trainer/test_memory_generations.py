@@ -36,7 +36,8 @@ def _restores(job: Harness) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == "restore" and e.get("world_size") == 2]
 
 
-@pytest.mark.parametrize("stage", [1, 3], ids=["z1", "z3"])
+# ZeRO-3's fill from memory is the same as the buddy replicas' (test_peer_restore z3): -m slow
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)], ids=["z1", "z3"])
 def test_a_lost_rank_is_restored_at_its_last_step_from_memory_and_matches_a_saved_run_bitwise(
         ds_env: dict[str, str], tmp_path: Path, jobs: list[Harness], stage: int) -> None:
     common = ("--zero-stage", str(stage))
