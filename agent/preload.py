@@ -8,16 +8,20 @@ command's script or module as ``python script.py args`` would have, with its own
 session, working directory and log. A worker is then as far as a fork from its first line of
 user code.
 
-The preload process forks from its only thread and never starts a GPU (CUDA is not initialised:
-a child could not use it); a module that starts a thread or CUDA at import fails the preload, and
-the agent spawns cold, as without it. It reports each child's exit status, so a forked worker's
+The preload process forks from its only Python thread and never starts a GPU (CUDA is not
+initialised: a child could not use it); a module that starts a Python thread or CUDA at import
+fails the preload, and the agent spawns cold, as without it. (A fork copies only the calling
+thread: torch's one native helper thread, started at import, is not copied and holds no lock a
+child needs.) It reports each child's exit status, so a forked worker's
 exit is classified like a spawned one's. When it is gone (the agent restarts, it crashes) its
 children live on, reparented: they are watched through a pidfd, their status unknown, as adopted
 workers are (:class:`~stalwart.agent.adopt.AdoptedProcess`).
 
-A forked worker's ``/proc/<pid>/environ`` is the preload process's (a fork does not exec): the
-node's environment with ``STALWART_NODE`` and ``STALWART_SOCKET``, without the rank's variables,
-which only the worker's ``os.environ`` holds.
+A forked worker's ``/proc/<pid>/environ`` and ``cmdline`` are the preload process's (a fork
+does not exec): the node's environment with ``STALWART_NODE`` and ``STALWART_SOCKET``, without
+the rank's variables, which only the worker's ``os.environ`` holds; ``ps`` shows ``python -m
+stalwart.agent.preload``. Environment variables a module reads when it is imported come from the
+preload process too, so the agent gives it the workers' environment less their rank.
 
 Only a command of the form ``python [options] script.py args`` or ``python [options] -m module
 args`` can be forked (:func:`parse_command`); any other is spawned as it is.
@@ -133,7 +137,9 @@ class ForkedProcess:
             return
 
         def watch() -> None:
-            select.select([fd], [], [])
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            poller.poll()
             self._exited(None)
 
         threading.Thread(target=watch, daemon=True, name=f"forked-wait {self.pid}").start()
@@ -155,11 +161,14 @@ class Preloader:
         self._lock = threading.Lock()  # one spawn request at a time
         self._ready = threading.Event()
         self._gone = threading.Event()
+        self._lost_children = False  # the preload process is gone: children are watched by pidfd
         self._replies: dict[int, dict[str, Any]] = {}
         self._reply = threading.Condition()
         self._children: dict[int, ForkedProcess] = {}
         self._early: dict[int, int] = {}  # exits reported before the spawn's caller took the pid
+        self._abandoned: set[int] = set()  # requests whose answer came too late: their children are killed
         self._next_id = 0
+        self.answer_timeout = SETSID_TIMEOUT_S + 5.0  # seconds a spawn waits for the fork's answer
         self.ready_after: float | None = None  # seconds from start to ready
         self.error: str | None = None
 
@@ -185,16 +194,21 @@ class Preloader:
                  self.log_path)
 
     def lower_priority(self, nice: int) -> None:
-        """Import at ``nice`` (its process group and its session's autogroup), as a spare warms:
-        only where the caller may raise a priority again, since each child starts at nice 0."""
-        if self._proc is None or nice <= 0:
+        """Import at ``nice`` (its process group and its session's autogroup), as a spare warms;
+        the workers' priority comes back once it is ready, before it forks any. Only where the
+        caller may raise a priority again (``agent/priority.py``)."""
+        if self._proc is None or nice <= 0 or self._ready.is_set():
             return
+        self._set_nice(nice)
+
+    def _set_nice(self, nice: int) -> None:
+        assert self._proc is not None
         try:
             os.setpriority(os.PRIO_PGRP, self._proc.pid, nice)  # its own session: the group is its pid
             set_autogroup_nice(self._proc.pid, nice)
             self.nice = nice
         except OSError as exc:
-            log.warning("cannot lower the priority of the preload process: %s", exc)
+            log.warning("cannot set the priority of the preload process to %d: %s", nice, exc)
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether the preload process is ready to fork within ``timeout`` seconds."""
@@ -214,16 +228,21 @@ class Preloader:
             self._next_id += 1
             rid = self._next_id
             request = {"op": "spawn", "id": rid, "target": asdict(self.target), "env": dict(env), "cwd": cwd,
-                       "log": str(log_path), "nice": 0 if self.nice > 0 else None}
+                       "log": str(log_path)}
             try:
+                log_path.touch()  # the caller may rename it at once, as a spawned process's open log
                 self._sock.sendall(json.dumps(request).encode() + b"\n")
             except OSError as exc:
                 log.warning("preload process unreachable (%s): spawning cold", exc)
                 return None
             with self._reply:
                 if not self._reply.wait_for(lambda: rid in self._replies or self._gone.is_set(),
-                                            SETSID_TIMEOUT_S + 5.0):
-                    log.warning("preload process did not answer a spawn in time: spawning cold")
+                                            self.answer_timeout):
+                    # A late child would be a second copy of this rank: it is killed when its
+                    # answer comes, and a preload process this slow is used no more.
+                    self._abandoned.add(rid)
+                    self._gone.set()
+                    log.warning("preload process did not answer a spawn in time: spawning cold from now on")
                     return None
                 reply = self._replies.pop(rid, None)
                 if reply is None:
@@ -232,9 +251,12 @@ class Preloader:
                     log.warning("preload process could not fork a worker (%s): spawning cold", reply["error"])
                     return None
                 proc = ForkedProcess(int(reply["pid"]))
-                self._children[proc.pid] = proc
                 if proc.pid in self._early:
-                    self._children.pop(proc.pid)._exited(self._early.pop(proc.pid))
+                    proc._exited(self._early.pop(proc.pid))
+                elif self._lost_children:
+                    proc._orphaned()  # the preload process went after it forked: no report will come
+                else:
+                    self._children[proc.pid] = proc
                 return proc
 
     def close(self) -> None:
@@ -250,6 +272,8 @@ class Preloader:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        if self._sock is not None:
+            self._sock.close()
 
     def _read(self) -> None:
         assert self._sock is not None
@@ -271,6 +295,8 @@ class Preloader:
     def _handle(self, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if op == "ready":
+            if self.nice > 0:
+                self._set_nice(0)  # its children are workers
             self.ready_after = time.monotonic() - self._started
             log.info("preload process ready after %.2f s (imports %.2f s)", self.ready_after, msg["seconds"])
             self._ready.set()
@@ -278,9 +304,20 @@ class Preloader:
             self.error = str(msg.get("error"))
             log.warning("preload process failed: %s; workers are spawned cold", self.error)
         elif op == "spawned":
+            rid, pid = int(msg["id"]), msg.get("pid")
             with self._reply:
-                self._replies[int(msg["id"])] = msg
-                self._reply.notify_all()
+                if pid is not None:
+                    self._early.pop(int(pid), None)  # an exit of an earlier process with this pid
+                late = rid in self._abandoned
+                if not late:
+                    self._replies[rid] = msg
+                    self._reply.notify_all()
+            if late and pid is not None:
+                log.warning("preload process forked pid %d too late: killing it", pid)
+                try:
+                    os.killpg(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         elif op == "exit":
             pid, status = int(msg["pid"]), int(msg["status"])
             with self._reply:
@@ -293,6 +330,7 @@ class Preloader:
     def _lost(self) -> None:
         with self._reply:
             self._gone.set()
+            self._lost_children = True
             self._reply.notify_all()
             orphans, self._children = list(self._children.values()), {}
         if orphans:
@@ -362,21 +400,41 @@ def serve(fd: int, modules: Sequence[str]) -> _Job | None:
         buf += data
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            req = json.loads(line)
-            job = _Job(req["target"], req["env"], req["cwd"], req["log"])
-            pid, sync_r = _fork(sock, wake_r, wake_w, req.get("nice"))
+            try:
+                req = json.loads(line)
+                job = _Job(req["target"], req["env"], req["cwd"], req["log"])
+                pid, sync_r = _fork(sock, wake_r, wake_w)
+            except (ValueError, KeyError, TypeError, OSError) as exc:  # a bad request, no memory to fork
+                _send(sock, {"op": "spawned", "id": _request_id(line), "error": f"{type(exc).__name__}: {exc}"})
+                continue
             if pid == 0:
                 return job
-            _send(sock, {"op": "spawned", "id": req["id"], "pid": pid} if _child_settled(sync_r)
-                  else {"op": "spawned", "id": req["id"], "error": f"pid {pid} did not start its session"})
+            if _child_settled(sync_r):
+                _send(sock, {"op": "spawned", "id": req["id"], "pid": pid})
+            else:
+                _kill_quietly(pid)  # it must not run the job after an error was said
+                _send(sock, {"op": "spawned", "id": req["id"], "error": f"pid {pid} did not start its session"})
         _reap(sock)
 
 
-def _fork(sock: socket.socket, wake_r: int, wake_w: int, nice: int | None) -> tuple[int, int]:
+def _request_id(line: bytes) -> int:
+    try:
+        return int(json.loads(line)["id"])
+    except (ValueError, KeyError, TypeError):
+        return -1
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _fork(sock: socket.socket, wake_r: int, wake_w: int) -> tuple[int, int]:
     """Fork; the child starts its own session (its process group is the worker's, as the agent
-    signals it; a new session is a new scheduler autogroup, at nice 0), takes the nice value
-    ``nice`` if given (a niced preload process's child is a worker, not background work), and
-    then says so on a pipe. Returns (pid, the pipe's read end) in the parent."""
+    signals it; a new session is also a new scheduler autogroup) and then says so on a pipe.
+    Returns (pid, the pipe's read end) in the parent."""
     sync_r, sync_w = os.pipe()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -388,8 +446,6 @@ def _fork(sock: socket.socket, wake_r: int, wake_w: int, nice: int | None) -> tu
             os.close(f)
         sock.close()
         os.setsid()
-        if nice is not None:
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
         os.write(sync_w, b"1")
         os.close(sync_w)
         return 0, -1
@@ -436,9 +492,9 @@ def run_job(job: _Job) -> None:
         numpy.random.seed()  # a fresh process's global RNG state, not the preload process's copy
     target = job.target
     if target["script"] is not None:
-        script = os.path.abspath(target["script"])
-        sys.argv = [target["script"], *target["args"]]
-        sys.path[0] = os.path.dirname(script)
+        script = target["script"]  # as given, relative to the working directory, as python takes it
+        sys.argv = [script, *target["args"]]
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
         runpy.run_path(script, run_name="__main__")
     else:
         sys.argv = [target["module"], *target["args"]]  # runpy sets argv[0] to the module's file

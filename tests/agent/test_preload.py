@@ -96,16 +96,20 @@ def test_a_forked_worker_runs_its_script_as_python_would_and_its_exit_status_is_
 
 
 @pytest.mark.skipif(not can_restore_priority(), reason="needs root or RLIMIT_NICE >= 20")
-def test_a_preload_process_imports_niced_and_its_children_run_at_the_workers_priority(preloader,
-                                                                                      tmp_path: Path) -> None:
-    """An agent restarted beside training workers lowers its new preload process's priority;
-    the workers it forks must not keep it (the world would wait on them every step)."""
-    p = preloader()
+def test_a_preload_process_imports_niced_and_forks_at_the_workers_priority(preloader, tmp_path: Path,
+                                                                           monkeypatch) -> None:
+    """An agent restarted beside training workers lowers its new preload process's priority while
+    it imports; the workers it forks must not keep it (the world would wait on them every step)."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(2)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = preloader(("slow_import",))
     p.lower_priority(10)
     zygote = p._proc.pid  # type: ignore[union-attr]
-    assert os.getpriority(os.PRIO_PROCESS, zygote) == 10
+    assert os.getpriority(os.PRIO_PROCESS, zygote) == 10  # still importing
     assert Path(f"/proc/{zygote}/autogroup").read_text().split()[-1] == "10"
     assert p.wait_ready(60), p.error
+    assert os.getpriority(os.PRIO_PROCESS, zygote) == 0
+    assert Path(f"/proc/{zygote}/autogroup").read_text().split()[-1] == "0"
     log = tmp_path / "w.log"
     proc = p.spawn(dict(os.environ), log, None)
     assert proc is not None and proc.wait(30) == 0
@@ -129,6 +133,23 @@ def test_a_signalled_worker_reports_the_signal_and_one_that_outlives_the_preload
     assert p.spawn(env, tmp_path / "late.log", None) is None  # gone: the caller spawns cold
     os.kill(orphan.pid, signal.SIGTERM)
     assert orphan.wait(30) is None  # ended; its status went with its parent
+
+
+def test_a_fork_answered_too_late_is_killed_and_the_preload_process_is_used_no_more(preloader,
+                                                                                  tmp_path: Path) -> None:
+    """The caller spawned that rank cold meanwhile: the late child would be a second copy of it."""
+    p = preloader()
+    assert p.wait_ready(60), p.error
+    zygote = p._proc.pid  # type: ignore[union-attr]
+    p.answer_timeout = 0.5
+    os.kill(zygote, signal.SIGSTOP)
+    try:
+        assert p.spawn(dict(os.environ, SLEEP="1"), tmp_path / "late.log", None) is None
+    finally:
+        os.kill(zygote, signal.SIGCONT)
+    assert not p.ready  # every later worker starts cold
+    late = wait_for(lambda: dict(p._early), 30, "the late child's end")
+    assert list(late.values()) == [-signal.SIGKILL]
 
 
 @pytest.mark.parametrize("module, why", [("no_such_module_xyz", "ModuleNotFoundError"),
