@@ -204,15 +204,17 @@ class RestoreMixin:
         sources = torch.tensor([host_bytes, peer_bytes, disk_bytes], dtype=torch.int64)
         dist.all_reduce(sources, group=self._control)
         world_host, world_peer, world_disk = (int(v) for v in sources.tolist())
+        self._restore_sources = {"host_bytes": host_bytes, "peer_bytes": peer_bytes, "disk_bytes": disk_bytes,
+                                 "world_host_bytes": world_host, "world_peer_bytes": world_peer,
+                                 "world_disk_bytes": world_disk}  # for the rollback record
         log.info("rank %d round %d: restored step %d from %s (saved by %d ranks, now %d)%s; %d bytes from its own "
                  "memory, %d from peer replicas, %d read from storage", self.rank, self.round, step, source,
                  saved_world, self.world_size, " to roll back" if rollback else "", host_bytes, peer_bytes,
                  disk_bytes)
         if not rollback:
             self.recorder.write("restore", step=step, world_size=self.world_size, saved_world_size=saved_world,
-                                source=source, skipped=skipped, rollbacks=len(self.ledger), host_bytes=host_bytes,
-                                peer_bytes=peer_bytes, disk_bytes=disk_bytes, world_host_bytes=world_host,
-                                world_peer_bytes=world_peer, world_disk_bytes=world_disk)  # fmt: skip
+                                source=source, skipped=skipped, rollbacks=len(self.ledger),
+                                **self._restore_sources)  # fmt: skip
 
     def _check_data(self, meta: dict[str, Any], step: int) -> None:
         c = self.config

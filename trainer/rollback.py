@@ -84,7 +84,8 @@ class RollbackMixin:
         self.recorder.write("rollback", step=restored.step, fault_step=s, kind=fault.kind, reason=fault.reason,
                             skip=hc.skip, skipped_steps=[b.step for b in skipped],
                             skipped_samples=[i for b in skipped for i in b.samples], windows=windows,
-                            rollbacks=len(recent) + 1, world_size=self.world_size)  # fmt: skip
+                            rollbacks=len(recent) + 1, world_size=self.world_size,
+                            **self._restore_sources)  # fmt: skip
         log.warning("rank %d step %d: rolled back to step %d, skipping %d batches (steps %d..%d) of data",
                     self.rank, s, restored.step, len(skipped), skipped[0].step, skipped[-1].step)
         self.restored = restored

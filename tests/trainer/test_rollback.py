@@ -80,6 +80,9 @@ def test_injected_nan_on_one_rank_rolls_back_both_and_skips_the_data_since_the_c
     assert (fault["step"], fault["kind"]) == (8, "nonfinite_loss")
     assert (rollback["step"], rollback["fault_step"], rollback["skipped_steps"]) == (4, 8, [5, 6, 7, 8])
     assert [e["step"] for e in _of(events, "restore")] == [0]  # in-process: no restart
+    # where it came from, as a restore record says (a chaos run checks no corrupt byte was read)
+    assert rollback["world_host_bytes"] + rollback["world_peer_bytes"] + rollback["world_disk_bytes"] > 0
+    assert rollback["disk_bytes"] + rollback["host_bytes"] > 0
     # the faulty step was never checkpointed: the only commit of step 8 comes after the rollback
     at = events.index(rollback)
     assert [e["step"] for e in _of(events[:at], "commit")] == [4]
