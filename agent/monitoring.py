@@ -243,8 +243,9 @@ class MonitoringMixin:
                              name="agent-lost-peers").start()
 
     def _check_ring_once(self) -> None:
-        """A worker of this node is blocked in a collective (stalled, its process running): the
-        peer it waits on may sit behind a cut link, which nothing sees before its lease expires.
+        """A worker of this node is blocked in a collective (stalled, its process running) or in
+        the join of its new round (``JOIN_PROBE_AFTER``): the peer it waits on may sit behind a
+        cut link, which nothing sees before its lease expires.
         Check ``peer_probe_neighbours`` members after this node in the round (once a round, on a
         thread); one whose host does not answer at all is reported lost. A host that refuses the
         connection is up (its agent restarts, say): its workers may well be training, so it is

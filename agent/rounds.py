@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 # reform_timeouts have passed: warming on a loaded host takes long, but a spare that never gets
 # warm must not hold its round forever.
 WARMING_PATIENCE = 3
+# A re-form still waiting for its new peers this long after it was sent (a join takes 0.05-0.2 s
+# here) has the agent check its ring neighbours: one behind a cut link is reported lost.
+JOIN_PROBE_AFTER = 0.5
 
 
 class RoundsMixin:
@@ -72,6 +75,7 @@ class RoundsMixin:
         def _update_readiness(self) -> None: ...
         def _worker_exited(self, exit_: WorkerExit) -> None: ...
         def _publish_health(self, force: bool = False) -> None: ...
+        def _check_ring_once(self) -> None: ...
         def _clear_throttles(self, keep: dict[int, int] | None = None) -> None: ...
 
     def _follow_rounds(self) -> None:
@@ -340,6 +344,14 @@ class RoundsMixin:
         change, not ours."""
         connected = self.channels.connected()
         spare_streams = self.channels.spares()
+        with self._lock:
+            current = self._state.round.number if self._state.round is not None else None
+            stuck_joining = any(p.joining and p.round == current and now - p.sent > JOIN_PROBE_AFTER
+                                for p in self._state.pending.values())
+        if stuck_joining:
+            # The members it waits for may sit behind a cut link (a node admitted as its link
+            # went down), which nothing else sees before their leases expire: check the ring.
+            self._check_ring_once()
         with self._lock:
             expired = [(pid, p) for pid, p in self._state.pending.items() if now > p.deadline]
             group = self._state.group

@@ -2,7 +2,9 @@
 
 It reports a step every STEP_TIME seconds. When the agent sends a Reform it appends a ``reform``
 line to EVENTS and acknowledges with ``AgentClient.reformed`` — unless its starting rank is
-IGNORE_REFORM_RANK, then it keeps stepping in its old world and never acknowledges. Started as a
+IGNORE_REFORM_RANK, then it keeps stepping in its old world and never acknowledges, or
+JOIN_FOREVER=1, then it says it left its old world and waits for its new peers for good (one
+behind a cut link). Started as a
 warm spare (``STALWART_SPARE=1``) it appends ``spare`` when connected, warms up for WARM_DELAY
 seconds, blocks in ``wait_for_assignment`` (which tells the agent it is warm), appends
 ``assigned`` and joins (after ASSIGN_DELAY seconds). NO_REFORM=1: it never
@@ -63,6 +65,10 @@ while True:
     except queue.Empty:
         pass
     else:
+        if os.environ.get("JOIN_FOREVER") == "1":
+            client.joining(spec.round, 1, spec.world_size)
+            while True:
+                time.sleep(1)
         if not ignore:
             client.reformed(spec.round, spec.rank, spec.local_rank)
     client.step(step, time.monotonic() - start)

@@ -437,3 +437,31 @@ def test_a_stopped_worker_with_no_warm_spare_asks_to_leave_the_world_as_soon_as_
         assert record is not None and any("no step for" in f.detail for f in record.findings), record
     finally:
         os.kill(workers[1], signal.SIGCONT)
+
+
+def test_a_reform_stuck_waiting_for_a_member_behind_a_cut_link_has_the_agent_report_it(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent) -> None:
+    """Round 2 admits a node whose link was cut as the round opened (its lease still runs): the
+    survivor re-forms and waits for it in the join. Its agent checks the ring then, and reports
+    the member whose host does not answer, instead of waiting out that node's lease or a stall
+    (the stall rules here would take a minute)."""
+    job = _job("join-cut")
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job, workers=1, stall_floor=60.0, stall_first_step=60.0,
+                                command=("env", "JOIN_FOREVER=1", f"EVENTS={tmp_path / 'events'}", sys.executable,
+                                         WORKER)))
+    record = records_pb2.RoundRecord(number=1, world_size=1, master_addr="127.0.0.1", master_port=29500)
+    record.members.add(node_id="n0", node_rank=0, first_rank=0, local_world_size=1, address=agent.address)
+    etcd_client.put(keys.round, record.SerializeToString())
+    wait_for(lambda: _workers(agent, 1, min_step=2), 30, "the worker stepping in round 1")
+    record = records_pb2.RoundRecord(number=2, world_size=2, master_addr="127.0.0.1", master_port=29501)
+    record.members.add(node_id="n0", node_rank=0, first_rank=0, local_world_size=1, address=agent.address)
+    record.members.add(node_id="cut", node_rank=1, first_rank=1, local_world_size=1, address="[100::1]:9")
+    etcd_client.put(keys.round, record.SerializeToString())
+
+    def lost() -> list[str]:
+        kv = etcd_client.get(keys.health("n0"))
+        health = records_pb2.HealthRecord.FromString(kv.value) if kv else records_pb2.HealthRecord()
+        return list(health.lost_peers) if health.lost_peers_round == 2 else []
+
+    assert wait_for(lost, 30, "n0 reporting the member behind the cut link") == ["cut"]
