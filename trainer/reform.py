@@ -15,15 +15,29 @@ import dataclasses
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from stalwart.proto.contract import ENV_ROUND, ENV_SPARE
+from stalwart.proto.contract import ENV_ROUND, ENV_SPARE, EXIT_STUCK
 from stalwart.trainer.world_sockets import world_sockets
 
 log = logging.getLogger(__name__)
+
+# A join or world formation still blocked this long after its connections were first cut is in a
+# call nothing can interrupt (gloo retrying a connection a dead peer refuses, each try a new
+# socket, until its timeout): the process exits with EXIT_STUCK for a spare to take its rank.
+STUCK_AFTER_BREAK_S = 2.0
+
+
+def exit_stuck() -> None:
+    """Exit with :data:`EXIT_STUCK` now: the main thread is blocked in C++ and cannot unwind."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_STUCK)
 
 # ENV_SPARE ``1``: the worker is a warm spare; it has no rank until the agent assigns one.
 
@@ -182,7 +196,8 @@ class JoinSuperseded(Exception):
         self.built = built
 
 
-def within_round(round_number: int, superseded: Callable[[], bool], form: Callable[[], Any]) -> Any:
+def within_round(round_number: int, superseded: Callable[[], bool], form: Callable[[], Any], *,
+                 stuck_after: float = STUCK_AFTER_BREAK_S, exit_process: Callable[[], object] = exit_stuck) -> Any:
     """Run ``form()`` (the rest of forming a joined world: building the engine, whose DeepSpeed
     groups rendezvous on the store like the join, and restoring, whose collectives wait on every
     peer) under the breaker that :func:`join_world` runs its join under, and return what it
@@ -193,8 +208,10 @@ def within_round(round_number: int, superseded: Callable[[], bool], form: Callab
     restore's collectives until their timeout (and the agent, seeing no re-form begun, kills
     them). Broken here instead, ``form`` fails at once and :class:`JoinSuperseded` is raised,
     carrying whatever ``form`` returned if it finished regardless (the caller releases it and
-    leaves the world before joining the newer round)."""
-    breaker = _JoinBreaker(superseded, hosted=_hosted_stores)
+    leaves the world before joining the newer round). ``form`` still blocked ``stuck_after``
+    seconds after the break began cannot be broken: ``exit_process`` is called (see
+    :data:`STUCK_AFTER_BREAK_S`)."""
+    breaker = _JoinBreaker(superseded, hosted=_hosted_stores, stuck_after=stuck_after, exit_process=exit_process)
     built = None
     try:
         built = form()
@@ -285,11 +302,14 @@ class _JoinBreaker:
     trains (its ranks re-form at their first step boundary even when the join finishes), so
     waiting on it only delays the newer one; it lets a join that is about to finish do so rather
     than fail half-connected. ``hosted``: the stores this process hosts (live, as rank 0 may add
-    the round's), whose server side lives on."""
+    the round's), whose server side lives on. Still blocked ``stuck_after`` seconds into the
+    break, the join cannot be broken at all: ``exit_process``."""
 
-    def __init__(self, superseded: Callable[[], bool], hosted: Mapping[int, object], grace: float = 0.25) -> None:
+    def __init__(self, superseded: Callable[[], bool], hosted: Mapping[int, object], grace: float = 0.25, *,
+                 stuck_after: float = STUCK_AFTER_BREAK_S, exit_process: Callable[[], object] = exit_stuck) -> None:
         self.fired = False
         self._superseded, self._hosted, self._grace = superseded, hosted, grace
+        self._stuck_after, self._exit_process = stuck_after, exit_process
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True, name="stalwart-join-breaker")
         self._thread.start()
@@ -309,11 +329,17 @@ class _JoinBreaker:
         self.fired = True
         log.warning("the round being joined was superseded %.1f s ago and its join has not finished: breaking it",
                     superseded_for)
-        cut = 0
+        cut, began = 0, time.monotonic()
         while True:  # gloo retries a connection to a peer that does not answer, a new socket each time
             cut += world_sockets.cut_join(set(self._hosted))
             if self._done.wait(0.05):
                 break
+            if time.monotonic() - began >= self._stuck_after:
+                log.error("the superseded join is still blocked %.1f s after its connections were cut (%d so far): "
+                          "it cannot be broken; exiting (code %d) for a spare to take this rank", self._stuck_after,
+                          cut, EXIT_STUCK)
+                self._exit_process()
+                return
         log.info("cut %d connection(s) of a join that a newer round superseded", cut)
 
     def stop(self) -> None:

@@ -31,6 +31,7 @@ from stalwart.trainer.errors import ReformFailed, TrainerError
 from stalwart.trainer.reform import (
     JoinSuperseded,
     ReformSpec,
+    exit_stuck,
     is_collective_error,
     join_world,
     leave_world,
@@ -73,14 +74,6 @@ def _call_in_collective(thread_id: int | None) -> tuple[object, int] | None:
     return frame, frame.f_lasti
 
 
-def _exit_stuck() -> None:
-    """Exit with :data:`EXIT_STUCK` now: the main thread is blocked in C++ and cannot unwind."""
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_STUCK)
-
-
 class ReformingMixin:
     """Mixed into :class:`~stalwart.trainer.Trainer`: its Reform state is set up by its constructor,
     and a re-form ends in its ``_attach``, ``_restore`` and ``_resume`` for the new world."""
@@ -104,7 +97,7 @@ class ReformingMixin:
                          name="stalwart-stuck-abort").start()
 
     def _abort_if_stuck(self, leaves: int, abort: Callable[[], object], target: int,
-                        exit_process: Callable[[], object] = _exit_stuck) -> bool:
+                        exit_process: Callable[[], object] = exit_stuck) -> bool:
         """After a Reform: if this rank's current step runs ``abort_stuck_after_s`` without the
         rank beginning to leave the old world (``leaves`` unchanged), its main thread is stuck in a
         collective on a lost peer: ``abort`` the old world (NCCL: every process group; gloo: its
