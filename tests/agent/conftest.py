@@ -1,7 +1,9 @@
-"""Fixtures shared by the agent tests."""
+"""Fixtures shared by the agent tests; makes their helpers importable from one another."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -9,6 +11,10 @@ import pytest
 
 from stalwart.agent.config import AgentConfig
 from stalwart.agent.node import NodeAgent
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
 
 @pytest.fixture

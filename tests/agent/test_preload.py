@@ -8,7 +8,9 @@ import signal
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
+from test_agent_node import _config
 
 from stalwart.agent.config import AgentConfig, AgentConfigError
 from stalwart.agent.preload import Preloader, Target, parse_command
@@ -20,7 +22,6 @@ from stalwart.coord.local import LocalEtcd
 from stalwart.proto import agent_pb2, records_pb2
 from testkit import wait_for
 
-WORKER = str(Path(__file__).with_name("worker_script.py"))
 CHILD = """\
 import json, os, sys
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
@@ -173,26 +174,11 @@ def test_a_preload_that_fails_leaves_the_workers_to_start_cold(preloader, tmp_pa
     assert _report(worker.log_path)["ppid"] == os.getpid()  # spawned by this process, not forked
 
 
-def _agent_config(etcd: LocalEtcd, tmp_path: Path, job: str, **kw: object) -> AgentConfig:
-    settings: dict[str, object] = dict(
-        job=job, node_id="n0", command=(sys.executable, WORKER), workers=2, insecure=True,
-        etcd=etcd.client_config(), state_dir=str(tmp_path / "state"), lease_ttl=2, probe="fake",
-        probe_interval=0.2, stall_floor=1.0, stall_factor=3.0, stall_first_step=30.0, stop_grace=2.0,
-        progress_interval=0.5, peer_probe_interval=0.5, preload=("stalwart.trainer.agent_client",))
-    settings.update(kw)
-    return AgentConfig(**settings)  # type: ignore[arg-type]
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(next(line for line in f if line.startswith("PPid:")).split()[1])
-
-
 def test_an_agent_with_a_preload_forks_its_workers_and_classifies_their_exits(
         etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent, key_prefix: str) -> None:
     job = "preload-" + key_prefix.strip("/").split("/")[-1][-30:].replace("[", "-").replace("]", "")
     keys = JobKeys(job)
-    agent = start_agent(_agent_config(etcd_server, tmp_path, job))
+    agent = start_agent(_config(etcd_server, tmp_path, job, preload=("stalwart.trainer.agent_client",)))
     assert agent.preloader is not None and agent.preloader.ready  # it registered once the imports were done
     record = records_pb2.RoundRecord(number=1, world_size=2, master_addr="127.0.0.1", master_port=29500)
     record.members.add(node_id="n0", node_rank=0, first_rank=0, local_world_size=2, address=agent.address)
@@ -203,7 +189,7 @@ def test_an_agent_with_a_preload_forks_its_workers_and_classifies_their_exits(
 
     pids = wait_for(lambda: len(stepping()) == 2 and stepping(), 60, "two forked workers stepping")
     zygote = agent.preloader._proc.pid  # type: ignore[union-attr]
-    assert [_parent(pid) for pid in pids] == [zygote, zygote]
+    assert [psutil.Process(pid).ppid() for pid in pids] == [zygote, zygote]
     os.kill(pids[1], signal.SIGKILL)
 
     def finding() -> str:
