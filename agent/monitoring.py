@@ -37,6 +37,9 @@ from stalwart.coord.reach import tcp_probe
 from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
 
 log = logging.getLogger(__name__)
+# A host's kernel answers a TCP connect within milliseconds however busy its processes are: one
+# silent this long is down, or behind a cut link (the daemon's own check uses the same).
+HOST_PROBE_TIMEOUT = 0.3
 
 
 class MonitoringMixin:
@@ -85,8 +88,15 @@ class MonitoringMixin:
                 throttled = set(self._throttles)  # stopped on purpose, in short bursts
                 workers = [w for w in group.workers if w.running and w.local_rank not in throttled] \
                     if group is not None else []
+            frozen = set()
             for w in workers:
-                self.stalls.frozen(w.rank, _frozen(w.pid), now)
+                if _frozen(w.pid):
+                    frozen.add(w.rank)
+                self.stalls.frozen(w.rank, w.rank in frozen, now)
+            running = {w.rank for w in workers} - frozen
+            for rank, last_step in self.stalls.quiet(now):
+                if rank in running:  # blocked, not stopped: on a peer behind a cut link, maybe
+                    self._check_ring_once(last_step)
             for stall in self.stalls.check(now):
                 log.error("agent %s: rank %d stalled: no step for %.1f s (timeout %.1f s, last step %d)",
                           self.config.node_id, stall.rank, stall.silent_for, stall.timeout, stall.last_step,
@@ -242,19 +252,19 @@ class MonitoringMixin:
             threading.Thread(target=self._check_lost_peers, args=(round, suspects), daemon=True,
                              name="agent-lost-peers").start()
 
-    def _check_ring_once(self) -> None:
-        """A worker of this node is blocked in a collective (stalled, its process running) or in
-        the join of its new round (``JOIN_PROBE_AFTER``): the peer it waits on may sit behind a
-        cut link, which nothing sees before its lease expires.
-        Check ``peer_probe_neighbours`` members after this node in the round (once a round, on a
-        thread); one whose host does not answer at all is reported lost. A host that refuses the
-        connection is up (its agent restarts, say): its workers may well be training, so it is
-        not accused."""
+    def _check_ring_once(self, step: int = -1) -> None:
+        """A worker of this node is blocked in a collective (quiet or stalled, its process
+        running) or in the join of its new round (``JOIN_PROBE_AFTER``): the peer it waits on may
+        sit behind a cut link, which nothing sees before its lease expires.
+        Check ``peer_probe_neighbours`` members after this node in the round (on a thread, once a
+        round and ``step``: a quiet worker's last step, -1 otherwise); one whose host does not
+        answer at all is reported lost. A host that refuses the connection is up (its agent
+        restarts, say): its workers may well be training, so it is not accused."""
         with self._lock:
             rnd = self._state.round
-            if rnd is None or self._state.cut_check_round == rnd.number:
+            if rnd is None or (rnd.number, step) in self._state.cut_checks:
                 return
-            self._state.cut_check_round = rnd.number
+            self._state.cut_checks = {k for k in self._state.cut_checks if k[0] == rnd.number} | {(rnd.number, step)}
             neighbours = ring_neighbours([m.node_id for m in rnd.members], self.config.node_id,
                                          self.config.peer_probe_neighbours)
             suspects = [m for m in rnd.members if m.node_id in neighbours and m.address]
@@ -263,7 +273,7 @@ class MonitoringMixin:
                              daemon=True, name="agent-ring-check").start()
 
     def _host_gone(self, address: str) -> bool:
-        return self._drop_peers.is_set() or tcp_probe(address, timeout=0.5) == "none"
+        return self._drop_peers.is_set() or tcp_probe(address, timeout=HOST_PROBE_TIMEOUT) == "none"
 
     def _check_lost_peers(self, round: int, suspects: list[records_pb2.RoundMember],
                           gone: Callable[[str], bool] | None = None) -> None:

@@ -7,7 +7,11 @@ frozen (stopped by a signal or a cgroup freezer) is stalled once it has been fro
 ``frozen_after`` seconds (or ``FROZEN_STEPS`` of its median step times, if longer; never more than
 ``floor``; a debugger's tracing stop is not frozen),
 even within that allowance: a frozen process is not starting up, and not waiting for a peer, so
-there is nothing to wait for. Pure: the caller
+there is nothing to wait for.
+
+Long before a stall, a worker is *quiet* once no step has come for ``max(quiet_floor,
+quiet_steps × median)`` after one did: too soon to blame anyone, but the peer it waits on in a
+collective may sit behind a cut link, which its agent then checks (``monitoring.py``). Pure: the caller
 passes the clock (and what it saw of the process), so every rule is tested without sleeping.
 """
 
@@ -29,11 +33,14 @@ class StallPolicy:
     first_step: float = 300.0  # seconds allowed for the first step after a (re)start
     window: int = 50  # recent step times the median is taken over
     frozen_after: float = 0.3  # seconds a stopped process may stay stopped before it is stalled
+    quiet_floor: float = 0.3  # seconds: a worker is quiet (worth a peer check) no sooner than this
+    quiet_steps: float = 2.0  # ... nor sooner than this many median recent step times
 
     def __post_init__(self) -> None:
-        if self.floor <= 0 or self.factor < 1 or self.first_step <= 0 or self.window < 1 or self.frozen_after <= 0:
-            raise ValueError(
-                f"stall policy: need floor > 0, factor >= 1, first_step > 0, window >= 1; got {self}")
+        if (self.floor <= 0 or self.factor < 1 or self.first_step <= 0 or self.window < 1 or self.frozen_after <= 0
+                or self.quiet_floor <= 0 or self.quiet_steps < 1):
+            raise ValueError(f"stall policy: need floor > 0, factor >= 1, first_step > 0, window >= 1, "
+                             f"frozen_after > 0, quiet_floor > 0, quiet_steps >= 1; got {self}")
 
 
 @dataclass
@@ -107,6 +114,18 @@ class StallDetector:
         w = self._workers[rank]
         typical = FROZEN_STEPS * statistics.median(w.times) if w.times else 0.0
         return min(self.policy.floor, max(self.policy.frozen_after, typical))
+
+    def quiet(self, now: float) -> list[tuple[int, int]]:
+        """(rank, last step) of each worker that made a step and none since ``max(quiet_floor,
+        quiet_steps × its median step time)``, not yet stalled (see the module docstring)."""
+        out = []
+        for rank, w in self._workers.items():
+            if w.last_step_at is None or w.stalled:
+                continue
+            typical = statistics.median(w.times) if w.times else 0.0
+            if now - w.last_step_at > max(self.policy.quiet_floor, self.policy.quiet_steps * typical):
+                out.append((rank, w.last_step))
+        return out
 
     def check(self, now: float) -> list[Stall]:
         """Workers that newly stalled since the last check (each stall is reported once)."""

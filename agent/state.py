@@ -57,7 +57,9 @@ class NodeState:
     unreachable: list[str] = field(default_factory=list)
     lost_peers: set[str] = field(default_factory=set)  # members of lost_peers_round our workers lost
     lost_peers_round: int = 0
-    cut_check_round: int = 0  # the last round whose ring neighbours a stalled worker had checked
+    # (round, step) of the ring checks made: once a round for a stalled or joining worker (step
+    # -1), once per last step for a quiet one
+    cut_checks: set[tuple[int, int]] = field(default_factory=set)
     progress: dict[int, Progress] = field(default_factory=dict)
     draining: bool = False
     restarts: int = 0

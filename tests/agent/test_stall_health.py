@@ -52,9 +52,33 @@ def test_repeated_step_report_is_not_progress() -> None:
     assert [s.rank for s in d.check(now=2.1)] == [0]
 
 
+def test_quiet_long_before_a_stall_learned_from_step_times_and_reported_per_step() -> None:
+    d = StallDetector(StallPolicy(floor=10, factor=10, first_step=300, quiet_floor=0.5, quiet_steps=4))
+    d.started(0, now=0)
+    assert d.quiet(now=100) == []  # no step yet: starting up, not waiting on a peer
+    t = 0.0
+    for step in range(10):
+        t += 0.25
+        d.step(0, step, 0.25, now=t)
+    assert d.quiet(now=t + 0.9) == []  # within 4 × 0.25 s
+    assert d.quiet(now=t + 1.1) == [(0, 9)]
+    assert d.quiet(now=t + 2.0) == [(0, 9)]  # the caller checks once per (round, step)
+    assert d.check(now=t + 2.0) == []  # far from the 10 s stall
+    d.step(0, 10, 0.25, now=t + 2.1)
+    assert d.quiet(now=t + 2.2) == []
+    fast = StallDetector(StallPolicy(quiet_floor=0.5, quiet_steps=4))
+    fast.started(1, now=0)
+    fast.step(1, 0, 0.01, now=0.01)
+    assert fast.quiet(now=0.4) == [] and fast.quiet(now=0.6) == [(1, 0)]  # the floor
+    assert [s.rank for s in fast.check(now=20)] == [1]
+    assert fast.quiet(now=21) == []  # a stalled worker is the stall rule's
+
+
 def test_bad_stall_policy() -> None:
     with pytest.raises(ValueError):
         StallPolicy(floor=0)
+    with pytest.raises(ValueError):
+        StallPolicy(quiet_steps=0.5)
 
 
 def test_xid_classification() -> None:
