@@ -19,6 +19,7 @@ world agrees that each rank could fill all of its targets: otherwise every rank 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -151,11 +152,12 @@ class MemoryStore:
                 del self._held[origin]
 
 
-def choose_generation(reports: Sequence[dict[str, Any]], newer_than: int) -> Generation | None:
-    """The newest generation above step ``newer_than`` with a part of every rank that took it,
-    from every rank's :meth:`MemoryStore.report`. The same on every rank (a pure function of the
-    all-gathered reports). ``None`` when ranks know different lineages: then nothing in memory
-    can be trusted to be of one trajectory."""
+def choose_generation(reports: Sequence[dict[str, Any]], newer_than: int, at_most: int | None = None
+                      ) -> Generation | None:
+    """The newest generation above step ``newer_than`` (and at or below ``at_most``: a rollback's
+    cap) with a part of every rank that took it, from every rank's :meth:`MemoryStore.report`.
+    The same on every rank (a pure function of the all-gathered reports). ``None`` when ranks
+    know different lineages: then nothing in memory can be trusted to be of one trajectory."""
     lineages = {str(r["lineage"]) for r in reports if r["lineage"]}
     if len(lineages) != 1:
         if len(lineages) > 1:
@@ -164,11 +166,13 @@ def choose_generation(reports: Sequence[dict[str, Any]], newer_than: int) -> Gen
     (lineage,) = lineages
     worlds: dict[int, set[int]] = {}
     origins: dict[int, set[int]] = {}
+    cap = math.inf if at_most is None else at_most
     for r in reports:
         for s in r["parts"]:
-            if s["tag"] == lineage and int(s["step"]) > newer_than:
-                worlds.setdefault(int(s["step"]), set()).add(int(s["world"]))
-                origins.setdefault(int(s["step"]), set()).add(int(s["rank"]))
+            step = int(s["step"])
+            if s["tag"] == lineage and newer_than < step <= cap:
+                worlds.setdefault(step, set()).add(int(s["world"]))
+                origins.setdefault(step, set()).add(int(s["rank"]))
     for step in sorted(origins, reverse=True):
         if len(worlds[step]) == 1:
             (world,) = worlds[step]
@@ -229,15 +233,16 @@ def fill_generation(store: MemoryStore, pull: Pull, gen: Generation, reports: Se
 
 
 def restore_from_memory(store: MemoryStore, pull: Pull, targets: dict[str, torch.Tensor | Shard],
-                        newer_than: int, group: Any, rank: int, world_size: int) -> MemoryRestore | None:
-    """Fill ``targets`` from the newest complete generation above step ``newer_than``, or return
-    ``None`` on every rank alike (then the caller reads storage; what was filled is overwritten).
-    Collective on ``group``."""
+                        newer_than: int, group: Any, rank: int, world_size: int,
+                        at_most: int | None = None) -> MemoryRestore | None:
+    """Fill ``targets`` from the newest complete generation above step ``newer_than`` (at or
+    below ``at_most``), or return ``None`` on every rank alike (then the caller reads storage;
+    what was filled is overwritten). Collective on ``group``."""
     import torch.distributed as dist
 
     reports: list[Any] = [None] * world_size
     dist.all_gather_object(reports, store.report(), group=group)
-    gen = choose_generation(reports, newer_than)
+    gen = choose_generation(reports, newer_than, at_most)
     if gen is None:
         return None
     rest, result = fill_generation(store, pull, gen, reports, rank, targets)

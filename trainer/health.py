@@ -21,8 +21,9 @@ and overflows are how dynamic loss scaling finds its scale. Its loss stays out o
 But ``max_skipped_updates`` skipped updates in a row are a fault (``skipped_updates``): a scale
 that never recovers means the gradients are NaN whatever the scale, and the job makes no progress.
 
-A fault makes the trainer roll back to the newest checkpoint before it and skip the data that led
-to it (:class:`Rollback`). More than ``max_rollbacks`` faults within ``rollback_window`` steps
+A fault makes the trainer roll back to the newest restore point before it (a memory generation
+newer than the last checkpoint, or that checkpoint) and skip the data that led to it
+(:class:`Rollback`). More than ``max_rollbacks`` faults within ``rollback_window`` steps
 means the job diverges whatever data it sees: it stops (``TrainingDiverged``). The rollbacks are
 kept in each checkpoint and in a small journal next to the checkpoints (:func:`write_journal`),
 so a job restarted after a crash or after giving up still counts them and still skips their data.
@@ -52,8 +53,9 @@ class HealthConfig:
     """Thresholds of the health checks and the rollback policy (see the module docstring).
 
     ``skip``: which data a rollback skips: ``"since_checkpoint"`` (every batch after the restored
-    checkpoint up to and including the fault step) or ``"last_k"`` (the last ``skip_last`` batches
-    up to the fault step; the batches before them are trained again, on the same samples).
+    step, a checkpoint or a memory generation, up to and including the fault step) or ``"last_k"``
+    (the last ``skip_last`` of those batches; the batches before them are trained again, on the
+    same samples).
     ``check_grad_norm``: also treat a non-finite global gradient norm as a fault.
     ``max_skipped_updates``: this many consecutive updates skipped by the engine are a fault.
     """

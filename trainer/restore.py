@@ -69,9 +69,11 @@ class RestoreMixin:
         an older step (the newest one is corrupt somewhere), every rank loads that step again
         from disk alone, so no rank mixes two steps.
 
-        With peer replicas, and neither a step cap nor a rollback, a complete memory generation
-        newer than the newest commit (``trainer/generations.py``) is taken first. Every restore
-        that succeeds starts a new lineage of memory generations (rank 0 picks its tag).
+        With peer replicas, a complete memory generation newer than the newest commit (and at or
+        below ``max_step``; ``trainer/generations.py``) is taken first: a rollback then redoes no
+        step since the last commit. Generations are taken of healthy steps only, so one below
+        the fault is as clean as a checkpoint there. Every restore that succeeds starts a new
+        lineage of memory generations (rank 0 picks its tag).
         """
         root = self.config.checkpoint_dir
         if self.rank == 0:
@@ -83,22 +85,24 @@ class RestoreMixin:
         else:
             found = json.loads(self._coord.broadcast(None, self.config.commit_timeout_s))
         restored = None
-        if self.peers is not None and max_step is None and not rollback:
-            restored = self._restore_from_memory(found)
+        if self.peers is not None:
+            restored = self._restore_from_memory(found, max_step, rollback=rollback)
         if restored is None:
             restored = self._restore_from_storage(found, max_step, rollback=rollback, required=required, host=host)
         if self.peers is not None and restored is not None:
             self.peers.memory.reset(str(found["lineage"]))  # what memory holds is of another trajectory now
         return restored
 
-    def _restore_from_memory(self, found: dict[str, Any]) -> RestoreInfo | None:
-        """The newest complete memory generation above the newest commit, or ``None`` on every rank."""
+    def _restore_from_memory(self, found: dict[str, Any], max_step: int | None, *, rollback: bool
+                             ) -> RestoreInfo | None:
+        """The newest complete memory generation above the newest commit (at or below
+        ``max_step``), or ``None`` on every rank."""
         assert self.peers is not None
         self.state.ensure_optimizer_state()
         targets, staged = self.state.load_targets()
         newest = found["newest"] if found["newest"] is not None else 0
         got = restore_from_memory(self.peers.memory, self.peers.pull_generation, targets, newest, self._control,
-                                  self.rank, self.world_size)
+                                  self.rank, self.world_size, at_most=max_step)
         if got is None:
             return None
         step, saved_world, meta = got.generation.step, got.generation.world, got.trainer_meta
@@ -107,7 +111,7 @@ class RestoreMixin:
         self._apply_streams(got.rng, step, meta, found["journal"])
         self._peer_fill = got.fill
         self._record_restore(step, saved_world, "memory", got.fill.own_bytes,
-                             got.fill.held_bytes + got.fill.pulled_bytes, 0, [], rollback=False)
+                             got.fill.held_bytes + got.fill.pulled_bytes, 0, [], rollback=rollback)
         return RestoreInfo(step, DataPosition.from_json(meta["position"]), saved_world, from_memory=True)
 
     def _restore_from_storage(self, found: dict[str, Any], max_step: int | None, *, rollback: bool, required: bool,
@@ -201,6 +205,7 @@ class RestoreMixin:
                         disk_bytes: int, skipped: list[int], *, rollback: bool) -> None:
         """Log the restore and write its record (collective: the world's bytes by source)."""
         self._restore_bytes = (host_bytes, disk_bytes)
+        self._restored_from = source  # "memory" or "storage", for the rollback record
         sources = torch.tensor([host_bytes, peer_bytes, disk_bytes], dtype=torch.int64)
         dist.all_reduce(sources, group=self._control)
         world_host, world_peer, world_disk = (int(v) for v in sources.tolist())

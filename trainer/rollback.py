@@ -2,8 +2,9 @@
 
 :class:`RollbackMixin` is the part of :class:`~stalwart.trainer.Trainer` that acts on a fault
 that :class:`~stalwart.trainer.health.HealthMonitor` found in a closed step (the same on every
-rank): it restores, in-process, the newest checkpoint before the fault, skips the data that led
-to it and records the rollback, or, past the rollback policy, stops with
+rank): it restores, in-process, the newest restore point before the fault (a memory generation
+newer than the last checkpoint, where there is one: no step is redone; else the checkpoint),
+skips the data that led to it and records the rollback, or, past the rollback policy, stops with
 :class:`TrainingDiverged`. Faults armed by tests and chaos runs (:meth:`inject_fault`) change
 the loss a rank reports, which is what the checks see.
 """
@@ -51,7 +52,7 @@ class RollbackMixin:
         return loss
 
     def _on_fault(self, batch: StepBatch, fault: Fault, loss: float, grad_norm: float | None) -> None:
-        """Roll back to the newest checkpoint before the fault and skip its data, or give up."""
+        """Roll back to the newest restore point before the fault and skip its data, or give up."""
         s, hc = batch.step, self.config.health
         log.error("rank %d step %d: training-health fault %s: %s", self.rank, s, fault.kind, fault.reason)
         self.recorder.write("fault", step=s, kind=fault.kind, reason=fault.reason, loss=loss, grad_norm=grad_norm,
@@ -84,7 +85,7 @@ class RollbackMixin:
         self.recorder.write("rollback", step=restored.step, fault_step=s, kind=fault.kind, reason=fault.reason,
                             skip=hc.skip, skipped_steps=[b.step for b in skipped],
                             skipped_samples=[i for b in skipped for i in b.samples], windows=windows,
-                            rollbacks=len(recent) + 1, world_size=self.world_size,
+                            rollbacks=len(recent) + 1, world_size=self.world_size, source=self._restored_from,
                             **self._restore_sources)  # fmt: skip
         log.warning("rank %d step %d: rolled back to step %d, skipping %d batches (steps %d..%d) of data",
                     self.rank, s, restored.step, len(skipped), skipped[0].step, skipped[-1].step)

@@ -124,6 +124,7 @@ class Trainer(ReformingMixin, RestoreMixin, RollbackMixin, SavesMixin):
         self._startup_pending: StartupTimings | None = None  # set by initialize, written at the first step
         self._restore_bytes = (0, 0)
         self._restore_sources: dict[str, int] = {}  # the last restore's bytes by source (its record)
+        self._restored_from = ""  # the last restore's source: "memory" or "storage"
         self._peer_fill = PeerFill()
         self.peers = PeerReplicas(config.peer) if config.peer.replicas > 0 else None
         self.client_state = ClientStates()  # see register_state

@@ -33,6 +33,8 @@ def test_the_newest_generation_with_a_part_of_every_rank_is_chosen_and_only_abov
                _report("")]  # a fresh process (a spare): it knows no lineage and holds nothing
     assert choose_generation(reports, 6) == Generation(a, 8, 3)
     assert choose_generation(reports, 8) is None  # storage holds step 8 already
+    assert choose_generation(reports, 6, at_most=7) == Generation(a, 7, 3)  # a rollback of a fault at step 8
+    assert choose_generation(reports, 7, at_most=7) is None
     # Rank 2's part of step 8 lost (not pushed yet when its node died): step 7 is whole.
     reports[0] = _report(a, _part(8, 0, a), _part(7, 0, a), _part(7, 2, a))
     assert choose_generation(reports, 6) == Generation(a, 7, 3)

@@ -185,3 +185,32 @@ def test_fp16_overflow_steps_deepspeed_skipped_are_not_faults(ds_env: dict[str, 
     assert len(overflowed) >= 2 and all(e["grad_norm"] == math.inf for e in overflowed)
     assert any(not e.get("update_skipped") for e in _of(events, "step"))
     _check_accounting(events, 9)
+
+
+def test_a_rollback_takes_the_memory_generation_before_the_fault_and_trains_on_as_from_a_checkpoint_there(
+        direct_jobs: Direct, tmp_path: Path) -> None:
+    """Memory generations after every step (``--memory-every 1``), saves every 4: a NaN on rank 1
+    at step 7 rolls both ranks back to step 6 from host memory (no byte read from storage, no
+    step redone) and skips only batch 7. The run then matches, loss for loss, one that saved step
+    6 and rolled back to that checkpoint."""
+    runs = {}
+    for name, args in (("memory", ["--save-every", "4", "--memory-every", "1"]),
+                       ("storage", ["--save-every", "2", "--memory-every", "0"])):
+        d = tmp_path / name
+        d.mkdir()
+        rc = direct_jobs.run(2, SCRIPT, "--ckpt-dir", str(d / "ckpt"), "--steps-log", str(d / "s.jsonl"),
+                             *COMMON, *args, "--steps", "12", "--inject-nan-step", "7", "--inject-rank", "1",
+                             log=d / "run.log")
+        assert rc == 0, tail(d / "run.log")
+        runs[name] = read_events(str(d / "s.jsonl"))
+    for name, events in runs.items():
+        (rollback,) = _of(events, "rollback")
+        assert (rollback["step"], rollback["fault_step"], rollback["skipped_steps"]) == (6, 7, [7]), name
+        _check_accounting(events, 12)
+    memory, storage = (_of(runs[n], "rollback")[0] for n in ("memory", "storage"))
+    assert (memory["source"], memory["world_disk_bytes"]) == ("memory", 0) and memory["world_host_bytes"] > 0
+    assert storage["source"] == "storage"  # the checkpoint of step 6 (from its host copy)
+    after = {n: {e["step"]: e["loss"] for e in _of(runs[n][runs[n].index(_of(runs[n], "rollback")[0]):], "step")}
+             for n in runs}
+    assert sorted(after["memory"]) == list(range(7, 13))
+    assert after["memory"] == after["storage"]  # bitwise: the same state and data as from the checkpoint
