@@ -207,10 +207,11 @@ class AgentApiMixin:
                     w.goodbye = reason
 
     def worker_checkpoint(self, rank: int, step: int, path: str, committed: bool) -> None:
-        log.info("agent %s: rank %d checkpoint at step %d %s", self.config.node_id, rank, step,
-                 "committed" if committed else "started")
-        if not committed:
+        if not committed:  # the trainer reports a save that failed (a full disk, say); training goes on
+            log.warning("agent %s: rank %d checkpoint at step %d failed: not committed", self.config.node_id, rank,
+                        step, extra={"node": self.config.node_id, "rank": rank})
             return
+        log.info("agent %s: rank %d checkpoint at step %d committed", self.config.node_id, rank, step)
         with self._lock:
             if self._state.committed_step is None or step > self._state.committed_step:
                 self._state.committed_step = step
