@@ -3,9 +3,9 @@
 :class:`Trainer` wraps ``deepspeed.initialize`` (the script still calls ``engine.backward`` and
 ``engine.step``), restores the newest good checkpoint resharded to the current data-parallel size,
 hands out each global step's samples, checkpoints asynchronously, saves on SIGTERM, and reports
-progress to the node's agent. Health checks roll a diverging step back to the checkpoint before
-it (``health.py``); a job that keeps diverging raises :class:`TrainingDiverged`, and scripts then
-exit with :data:`EXIT_DIVERGED`.
+progress to the node's agent. Health checks roll a diverging step back to the restore point
+before it (a memory generation or the checkpoint; ``health.py``); a job that keeps diverging
+raises :class:`TrainingDiverged`, and scripts then exit with :data:`EXIT_DIVERGED`.
 """
 
 import importlib

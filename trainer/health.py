@@ -175,8 +175,8 @@ class HealthMonitor:
 
 @dataclass(frozen=True)
 class Rollback:
-    """One rollback: the fault at ``fault_step`` sent training back to checkpoint ``restored_step``
-    and the data ``windows`` were skipped."""
+    """One rollback: the fault at ``fault_step`` sent training back to step ``restored_step`` (a
+    checkpoint or a memory generation) and the data ``windows`` were skipped."""
 
     fault_step: int
     restored_step: int

@@ -14,9 +14,10 @@ Rank 0 appends one JSON line per event to a file (``TrainerConfig.record_path``)
   ``S`` failed a health check (see ``health.py``); it is not progress and is never checkpointed;
 - ``{"event": "rollback", "step": R, "fault_step": S, "reason": ..., "skipped_samples": [...],
   "windows": [{"epoch": e, "start": a, "end": b, "samples": [...]}, ...], "disk_bytes": n, ...}``
-  — training went back to checkpoint ``R`` in-process: recorded steps above ``R`` are dropped (as
-  at a restore) and the listed samples are skipped for good (the next step is ``R + 1``, on the
-  data after them); its byte counts by source are a restore record's;
+  — training went back to step ``R`` in-process (``source``: ``"storage"``, its checkpoint, or
+  ``"memory"``, a memory generation): recorded steps above ``R`` are dropped (as at a restore)
+  and the listed samples are skipped for good (the next step is ``R + 1``, on the data after
+  them); its byte counts by source are a restore record's;
 - ``{"event": "startup", "step": k, "timings": {...}, "phases": {"imports": s, "world": s, "engine": s,
   "restore": s, "first step": s}}`` — the first step ``k`` of a process that started the job or
   joined it cold (not a spare), and where its time from the process's start went

@@ -70,10 +70,11 @@ class RestoreMixin:
         from disk alone, so no rank mixes two steps.
 
         With peer replicas, a complete memory generation newer than the newest commit (and at or
-        below ``max_step``; ``trainer/generations.py``) is taken first: a rollback then redoes no
-        step since the last commit. Generations are taken of healthy steps only, so one below
-        the fault is as clean as a checkpoint there. Every restore that succeeds starts a new
-        lineage of memory generations (rank 0 picks its tag).
+        below ``max_step``; ``trainer/generations.py``) is taken first: a rollback then redoes at
+        most ``memory_every - 1`` steps, not every step since the last commit. Generations are
+        taken of healthy steps only, so one below the fault is as clean as a checkpoint there.
+        Every restore that succeeds starts a new lineage of memory generations (rank 0 picks its
+        tag).
         """
         root = self.config.checkpoint_dir
         if self.rank == 0:
@@ -85,7 +86,7 @@ class RestoreMixin:
         else:
             found = json.loads(self._coord.broadcast(None, self.config.commit_timeout_s))
         restored = None
-        if self.peers is not None:
+        if self.peers is not None and (self.config.peer.memory_every > 0 or not rollback):
             restored = self._restore_from_memory(found, max_step, rollback=rollback)
         if restored is None:
             restored = self._restore_from_storage(found, max_step, rollback=rollback, required=required, host=host)

@@ -3,7 +3,8 @@
 :class:`RollbackMixin` is the part of :class:`~stalwart.trainer.Trainer` that acts on a fault
 that :class:`~stalwart.trainer.health.HealthMonitor` found in a closed step (the same on every
 rank): it restores, in-process, the newest restore point before the fault (a memory generation
-newer than the last checkpoint, where there is one: no step is redone; else the checkpoint),
+newer than the last checkpoint, where there is one: at most ``memory_every - 1`` steps are
+redone; else the checkpoint),
 skips the data that led to it and records the rollback, or, past the rollback policy, stops with
 :class:`TrainingDiverged`. Faults armed by tests and chaos runs (:meth:`inject_fault`) change
 the loss a rank reports, which is what the checks see.
@@ -93,7 +94,7 @@ class RollbackMixin:
         self.sampler = self._sampler(restored.position)
         self.step = restored.step
         self._batch = None
-        self._last_saved = restored.step
+        self._last_saved = -1 if restored.from_memory else restored.step  # finish() saves a step only in memory
         self._skipped_seen = int(getattr(self.engine, "skipped_steps", 0))
         self.rollbacks += 1
 
