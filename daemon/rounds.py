@@ -18,7 +18,8 @@ Rules, in the order the machine applies them:
   without it (``shrink_to_replace``), so the others re-form in place at once instead of waiting
   for a new process to start; it is not taken into a round until its agent says the replacement
   is warm, and then comes back by the regrow rule.
-- **Lost by its peers**: a strict majority of the other members report that their workers'
+- **Lost by its peers**: a strict majority of the other members (two at least; one, where the
+  daemon's own probe finds the member's agent gone) report that their workers'
   collectives broke on a member whose agent does not answer a ping -> a new round without it at
   once, as for a lost lease, seconds before the lease expires. It stays out of new rounds for
   ``LOST_BY_PEERS_HOLD`` unless it registers again.
@@ -491,8 +492,8 @@ class RoundMachine:
 
     def _on_peers_lost(self, ev: PeersLost, now: float) -> None:
         """Members whose workers' collectives broke on a node that no longer answers: once a
-        strict majority of the other members say so, or one does and the daemon's own check finds
-        the node's agent gone, the node is lost now, without waiting for its lease (at scale only
+        strict majority of the other members (two at least) say so, or one does and the daemon's
+        own check finds the node's agent gone, the node is lost now, without waiting for its lease (at scale only
         a lost rank's neighbours in a collective see it fail; the others see a survivor cut its
         connections). It cannot go on training or commit alone (a commit needs every rank of its round),
         and it is left out of the next round only; if it is alive after all, it rejoins by the
@@ -509,7 +510,8 @@ class RoundMachine:
                 continue
             others = [m for m in rnd.members if m != accused and self.state.nodes[m].eligible]
             accusers = [m for m in others if accused in reports.get(m, frozenset())]
-            if others and (2 * len(accusers) > len(others) or accused in ev.confirmed):
+            # one member's word alone never decides (with a link cut between just two, each accuses the other)
+            if others and ((len(accusers) >= 2 and 2 * len(accusers) > len(others)) or accused in ev.confirmed):
                 rec = self.state.nodes[accused]
                 if rec.health is Health.HEALTHY and rec.state not in HELD:
                     self._fault(rec, now, "lost by its peers")

@@ -809,12 +809,17 @@ def test_a_member_lost_by_its_peers_but_alive_rejoins_after_the_hold() -> None:
     assert ids(only_round(sim.send(CheckpointCommitted(13), 0.1))) == ["b", "c", "a"]
 
 
-def test_in_a_world_of_two_the_first_report_decides_and_reports_of_an_old_round_are_ignored() -> None:
+def test_in_a_world_of_two_one_report_decides_only_once_confirmed_and_reports_of_an_old_round_are_ignored(
+        ) -> None:
+    """One member's word alone never drops the other: with a link cut between just those two,
+    each would accuse the other and both would go."""
     from stalwart.daemon.round_events import PeersLost
 
     sim = Sim(min_nodes=1)
     sim.start("a", "b")
-    assert ids(only_round(sim.send(PeersLost("a", 1, frozenset({"b"}))))) == ["a"]
+    assert sim.send(PeersLost("a", 1, frozenset({"b"}))) == []
+    assert sim.send(PeersLost("b", 1, frozenset({"a"}))) == []  # both accuse: neither is dropped
+    assert ids(only_round(sim.send(PeersLost("a", 1, frozenset({"b"}), confirmed=frozenset({"b"}))))) == ["a"]
     assert sim.send(PeersLost("b", 1, frozenset({"a"}))) == []  # about round 1: moot
     assert sim.send(PeersLost("a", 1, frozenset({"b"}))) == []
 
