@@ -88,16 +88,17 @@ class MonitoringMixin:
                 throttled = set(self._throttles)  # stopped on purpose, in short bursts
                 workers = [w for w in group.workers if w.running and w.local_rank not in throttled] \
                     if group is not None else []
-            frozen = set()
-            for w in workers:
-                if _frozen(w.pid):
-                    frozen.add(w.rank)
-                self.stalls.frozen(w.rank, w.rank in frozen, now)
+            frozen = {w.rank for w in workers if _frozen(w.pid)}
+            with self._lock:  # the detector is fed step reports under the lock, on the progress stream's thread
+                for w in workers:
+                    self.stalls.frozen(w.rank, w.rank in frozen, now)
+                quiet = self.stalls.quiet(now)
+                stalls = self.stalls.check(now)
             running = {w.rank for w in workers} - frozen
-            for rank, last_step in self.stalls.quiet(now):
+            for rank, last_step in quiet:
                 if rank in running:  # blocked, not stopped: on a peer behind a cut link, maybe
-                    self._check_ring_once(last_step)
-            for stall in self.stalls.check(now):
+                    self._check_ring_once((rank, last_step))
+            for stall in stalls:
                 log.error("agent %s: rank %d stalled: no step for %.1f s (timeout %.1f s, last step %d)",
                           self.config.node_id, stall.rank, stall.silent_for, stall.timeout, stall.last_step,
                           extra={"node": self.config.node_id, "rank": stall.rank})
@@ -252,39 +253,70 @@ class MonitoringMixin:
             threading.Thread(target=self._check_lost_peers, args=(round, suspects), daemon=True,
                              name="agent-lost-peers").start()
 
-    def _check_ring_once(self, step: int = -1) -> None:
-        """A worker of this node is blocked in a collective (quiet or stalled, its process
-        running) or in the join of its new round (``JOIN_PROBE_AFTER``): the peer it waits on may
-        sit behind a cut link, which nothing sees before its lease expires.
-        Check ``peer_probe_neighbours`` members after this node in the round (on a thread, once a
-        round and ``step``: a quiet worker's last step, -1 otherwise); one whose host does not
-        answer at all is reported lost. A host that refuses the connection is up (its agent
-        restarts, say): its workers may well be training, so it is not accused."""
+    def _check_ring_once(self, quiet: tuple[int, int] | None = None) -> None:
+        """A worker of this node is blocked in a collective (``quiet``: its rank and last step;
+        or stalled, its process running) or in the join of its new round (``JOIN_PROBE_AFTER``):
+        the peer it waits on may sit behind a cut link, which nothing sees before its lease
+        expires. Check ``peer_probe_neighbours`` members after this node in the round (on a
+        thread; once a round for a stall or a join, once per last step for a quiet worker); one
+        whose host does not answer at all is reported lost. A host that refuses the connection is
+        up (its agent restarts, say): its workers may well be training, so it is not accused. Nor
+        is anyone when no neighbour answers (this node's own link is the likelier cause), or when
+        the quiet worker made a step meanwhile (its peers are alive)."""
         with self._lock:
             rnd = self._state.round
-            if rnd is None or (rnd.number, step) in self._state.cut_checks:
+            if rnd is None:
                 return
-            self._state.cut_checks = {k for k in self._state.cut_checks if k[0] == rnd.number} | {(rnd.number, step)}
+            if quiet is None:
+                if self._state.cut_check_round == rnd.number:
+                    return
+                self._state.cut_check_round = rnd.number
+            else:
+                checked_round, checked_step = self._state.cut_quiet_checked
+                if checked_round == rnd.number and quiet[1] <= checked_step:
+                    return
+                self._state.cut_quiet_checked = (rnd.number, quiet[1])
             neighbours = ring_neighbours([m.node_id for m in rnd.members], self.config.node_id,
                                          self.config.peer_probe_neighbours)
             suspects = [m for m in rnd.members if m.node_id in neighbours and m.address]
+        still_quiet = None if quiet is None else (lambda: self._still_at(*quiet))
         if suspects:
-            threading.Thread(target=self._check_lost_peers, args=(rnd.number, suspects, self._host_gone),
+            threading.Thread(target=self._check_lost_peers, args=(rnd.number, suspects, self._host_gone, still_quiet),
                              daemon=True, name="agent-ring-check").start()
 
+    def _still_at(self, rank: int, step: int) -> bool:
+        with self._lock:
+            return self.stalls.last_step(rank) == step
+
     def _host_gone(self, address: str) -> bool:
-        return self._drop_peers.is_set() or tcp_probe(address, timeout=HOST_PROBE_TIMEOUT) == "none"
+        """No answer at all to two connects at once (one lost SYN must not accuse a host)."""
+        if self._drop_peers.is_set():
+            return True
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-host-probe") as pool:
+            answers = list(pool.map(lambda _: tcp_probe(address, timeout=HOST_PROBE_TIMEOUT), range(2)))
+        return all(a == "none" for a in answers)
 
     def _check_lost_peers(self, round: int, suspects: list[records_pb2.RoundMember],
-                          gone: Callable[[str], bool] | None = None) -> None:
+                          gone: Callable[[str], bool] | None = None,
+                          still_valid: Callable[[], bool] | None = None) -> None:
         """Report the ``suspects`` that are ``gone`` (default: their agent does not answer a Ping),
-        asked in parallel: a host behind a cut link takes the whole timeout."""
+        asked in parallel: a host behind a cut link takes the whole timeout. A ring check
+        (``gone`` given) accuses no one when every one of two or more suspects is gone, or when
+        ``still_valid`` says the reason for the check has passed."""
+        ring = gone is not None
         gone = gone or (lambda address: not self._ping(address, timeout=0.5))
         with ThreadPoolExecutor(max_workers=max(1, len(suspects)), thread_name_prefix="agent-probe") as pool:
             answers = list(pool.map(lambda m: gone(m.address), suspects))
         lost = {m.node_id for m, g in zip(suspects, answers, strict=True) if g}
         if not lost:
             return
+        if ring and len(suspects) >= 2 and len(lost) == len(suspects):
+            log.warning("agent %s: round %d: no ring neighbour answers (%s): this node's own link is the likelier "
+                        "cause; accusing no one", self.config.node_id, round, ", ".join(sorted(lost)),
+                        extra={"node": self.config.node_id, "round": round})
+            return
+        if still_valid is not None and not still_valid():
+            return  # the quiet worker made a step meanwhile: its peers are alive
         with self._lock:
             if self._state.round is None or self._state.round.number != round:
                 return  # the world moved on meanwhile

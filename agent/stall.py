@@ -105,6 +105,11 @@ class StallDetector:
             return self.policy.floor
         return max(self.policy.floor, self.policy.factor * statistics.median(w.times))
 
+    def last_step(self, rank: int) -> int:
+        """The rank's last step reported (-1: none, or an unknown rank)."""
+        w = self._workers.get(rank)
+        return w.last_step if w is not None else -1
+
     def typical(self, rank: int) -> float:
         """The rank's recent median step time (0: none yet)."""
         w = self._workers.get(rank)

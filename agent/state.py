@@ -57,9 +57,8 @@ class NodeState:
     unreachable: list[str] = field(default_factory=list)
     lost_peers: set[str] = field(default_factory=set)  # members of lost_peers_round our workers lost
     lost_peers_round: int = 0
-    # (round, step) of the ring checks made: once a round for a stalled or joining worker (step
-    # -1), once per last step for a quiet one
-    cut_checks: set[tuple[int, int]] = field(default_factory=set)
+    cut_check_round: int = 0  # the last round whose ring neighbours a stalled or joining worker had checked
+    cut_quiet_checked: tuple[int, int] = (0, -1)  # (round, last step) of the newest quiet worker's check
     progress: dict[int, Progress] = field(default_factory=dict)
     draining: bool = False
     restarts: int = 0

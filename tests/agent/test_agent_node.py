@@ -220,6 +220,23 @@ def test_a_worker_blocked_with_its_process_running_has_the_agent_report_a_ring_n
     assert not any(f.code.startswith("stall") for f in record.findings)  # found while quiet, not stalled
 
 
+def test_when_no_ring_neighbour_answers_the_agent_accuses_no_one(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Both neighbours silent: this node's own link is the likelier cause than two cuts at once,
+    so its quiet worker's check reports no one (the daemon would otherwise have two accusations
+    from a node that is itself cut off)."""
+    job = f"ring-own-{time.monotonic_ns()}"
+    keys = JobKeys(job)
+    agent = start_agent(_config(etcd_server, tmp_path, job, peer_probe_neighbours=2, stall_floor=300.0,
+                                command=("env", "BLOCK_AT_STEP=5", sys.executable, WORKER)))
+    with caplog.at_level("WARNING", logger="stalwart.agent.monitoring"):
+        _open_round(etcd_client, keys, 1, [("n0", agent.address), ("cut1", "[100::1]:9"), ("cut2", "[100::2]:9")])
+        wait_for(lambda: "no ring neighbour answers" in caplog.text, 30, "the check of the silent neighbours")
+    record = _health(etcd_client, keys)
+    assert record is not None and list(record.lost_peers) == []
+
+
 def test_a_health_record_built_before_a_newer_one_never_lands_after_it(
         etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, start_agent) -> None:
     """Several threads write the health record. One builds its record, then its etcd write is
