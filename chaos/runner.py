@@ -457,7 +457,13 @@ class _Run:
             if r.kind == "slow-worker":
                 # Detected when the daemon names the node a straggler. The job never stops for it:
                 # resumed is the first step after that (after the round without it, when excluded).
-                if r.detected_at is None and r.target in self._stragglers():
+                named = next((x for x in self.rounds if x.number > a.round_before and "straggler" in x.reason
+                              and f"node {r.target} drained" in x.reason), None)
+                if r.detected_at is None and named is not None:
+                    # Excluded between two polls: the daemon had named it by the time it decided.
+                    r.detected_at = named.decided_at if named.decided_at is not None else named.t
+                    self.straggler_seen.add(r.target)
+                elif r.detected_at is None and r.target in self._stragglers():
                     r.detected_at = now
                     self.straggler_seen.add(r.target)
                 last = self.rounds[-1] if self.rounds else None
