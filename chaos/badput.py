@@ -10,7 +10,11 @@ Pure: step samples, faults and rounds in (seconds since the run started), figure
   pause caused by an earlier fault's recovery stays that fault's even when another overlaps it,
   and a pause long after a fault, once training ran steadily again, is not charged to it. A pause
   around a regrow round is the last part of the recovery of whatever took the joining nodes out:
-  it is charged to the latest fault aimed at one of them. Other pauses are ``other``.
+  it is charged to the latest fault aimed at one of them. A control-plane fault (``CONTROL_PLANE``:
+  its workers train on through it) that a data-plane fault follows before the gap became a pause
+  (within two normal steps of the last step) is not the pause's cause, that fault is: the step
+  that did not come was stopped by the data plane, however long the control plane's absence made
+  its decision; so is one that follows no fault there. Other pauses are ``other``.
 - **Redone steps**: a step trained again after a rollback or a restore from an older checkpoint
   wasted its earlier executions; their time is charged to the fault of the first pause, or step
   back without one (a restore within a normal step), after the wasted execution: where the
@@ -35,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 SETTLED_STEPS = 10
+# Faults after which the workers train on: alone they never stop a step.
+CONTROL_PLANE = frozenset({"kill-agent", "restart-agent", "kill-daemon", "kill-etcd", "lose-quorum"})
 
 CAUSES = ("startup", "detection", "decision", "re-form and restore", "stall", "recomputation", "slow steps",
           "uncommitted", "finish", "other")
@@ -98,9 +104,14 @@ def account(samples: Sequence[_Sample], faults: Sequence[_Fault], rounds: Sequen
             if joiner_fault is not None:
                 return joiner_fault
         k = bisect.bisect_right(injected, before)
-        if k == 0 or before >= settled[by_time[k - 1]]:
-            return None
-        return by_time[k - 1]
+        prior = by_time[k - 1] if k > 0 and before < settled[by_time[k - 1]] else None
+        if until is not None and normal > 0 and (prior is None or faults[prior].kind in CONTROL_PLANE):
+            # A data-plane fault that hit the step in flight stopped it, not the control plane.
+            last = bisect.bisect_right(injected, before + normal)
+            data = [j for j in by_time[k:last] if faults[j].kind not in CONTROL_PLANE]
+            if data:
+                return data[0]
+        return prior
 
     # For each execution, the culprit of the first pause or step back after it (a rollback's
     # cause: a fast restore, a regrow that re-formed within a step, goes back without a pause).

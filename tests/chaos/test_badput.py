@@ -109,3 +109,19 @@ def test_steps_redone_after_a_restore_without_a_pause_are_the_restores_fault_not
     acc = account(samples, [kill_worker, kill_agent], rounds, wall_s=samples[-1].t, committed_step=48)
     assert acc.redone_by_fault == [3, 0]  # steps 29, 30 and 31 ran twice
     assert acc.lost_by_fault[1] == pytest.approx(0.5)
+
+
+def test_a_pause_that_a_data_plane_fault_starts_just_after_a_daemon_kill_is_the_data_plane_faults() -> None:
+    # steps every 0.1 s until 3.9; a daemon killed at 3.85, a worker hung at 4.05 (the step after
+    # 3.9 was due at 4.0): the hang stopped the step, the daemon's absence only lengthened it
+    samples = _steps(1.0, 1, 30) + _steps(1.0 + 29 * 0.1 + 2.0, 31, 30, round_=2)
+    daemon = FaultRecord("kill-daemon", "d0", injected_at=3.85, detected_at=5.5)
+    hang = FaultRecord("hang-worker", "n1", injected_at=4.05, detected_at=5.6)
+    acc = account(samples, [daemon, hang], [RoundChange(5.7, 2, 3, "node n1 worker failed")], wall_s=samples[-1].t,
+                  committed_step=60)
+    assert acc.lost_by_fault == [0.0, pytest.approx(1.9)]
+    assert _total(acc) == pytest.approx(samples[-1].t)
+    # a data-plane fault later than that (4.25: the gap was a pause by 4.1) did not start it
+    late = FaultRecord("hang-worker", "n1", injected_at=4.25, detected_at=5.6)
+    acc = account(samples, [daemon, late], [], wall_s=samples[-1].t, committed_step=60)
+    assert acc.lost_by_fault == [pytest.approx(1.9), 0.0]
