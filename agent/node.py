@@ -135,7 +135,8 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
         waited for (a warning a try) until it does or ``cancel`` is set (returns False).
         Raises ``AgentConfigError``/``BindError`` (servers) or ``CoordError`` (etcd)."""
         carried = self._carry_on_lease()  # first: it runs out while the rest of the start takes its time
-        self._start_preload()  # its imports run while the rest of the start takes its time
+        beside_training = self._left_live_workers()
+        self._start_preload(beside_training)  # its imports run while the rest of the start takes its time
         self._servers.append(start_progress_server(self.config.socket_path, self, self.channels))
         add_health = lambda server: health_pb2_grpc.add_HealthServicer_to_server(  # noqa: E731
             self._health_service, server)
@@ -168,7 +169,9 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
                  self.config.socket_path, extra={"node": self.config.node_id})
         return True
 
-    def _start_preload(self) -> None:
+    def _start_preload(self, beside_training: bool = False) -> None:
+        """``beside_training``: workers left by the agent before still train, so it imports niced
+        (``spare_nice``) from the start, not only once they are adopted."""
         target = parse_command(self.config.command) if self.config.preload else None
         if target is None:
             return
@@ -178,6 +181,8 @@ class NodeAgent(SuccessionMixin, RoundsMixin, ReplacingMixin, MonitoringMixin, A
                                    self.config.cwd)
         try:
             self.preloader.start()
+            if beside_training and self.config.spare_nice and can_restore_priority():
+                self.preloader.lower_priority(self.config.spare_nice)
         except OSError as exc:
             log.warning("agent %s: cannot start the preload process (%s); workers are started cold",
                         self.config.node_id, exc, extra={"node": self.config.node_id})

@@ -98,6 +98,15 @@ class SuccessionMixin:
         log.info("agent %s: carrying on lease %x of the agent before", node, lease.id, extra={"node": node})
         return lease
 
+    def _left_live_workers(self) -> bool:
+        """Whether the agent before left workers that still run: this agent starts beside
+        training, so its preload process must yield to them from its first import."""
+        try:
+            saved = load_state(self._state_file, self.config.job, self.config.node_id)
+        except (StateFileError, OSError):
+            return False
+        return saved is not None and any(alive_and_same(e) for e in saved.workers)
+
     def _adopt(self) -> None:
         """Take over what the agent before left: its live workers of the round they train in and
         its spares (its lease: :meth:`_carry_on_lease`). Workers that died while no agent watched

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +13,9 @@ import psutil
 import pytest
 from test_agent_node import _config
 
+from stalwart.agent.adopt import AgentState, WorkerEntry, process_start_time, save_state, state_path
 from stalwart.agent.config import AgentConfig, AgentConfigError
+from stalwart.agent.node import NodeAgent
 from stalwart.agent.preload import Preloader, Target, parse_command
 from stalwart.agent.priority import can_restore_priority
 from stalwart.agent.workers import ExitKind, RoundAssignment, WorkerExit, WorkerGroup
@@ -115,6 +118,44 @@ def test_a_preload_process_imports_niced_and_forks_at_the_workers_priority(prelo
     proc = p.spawn(dict(os.environ), log, None)
     assert proc is not None and proc.wait(30) == 0
     assert _report(log)["nice"] == 0
+
+
+@pytest.mark.skipif(not can_restore_priority(), reason="needs root or RLIMIT_NICE >= 20")
+def test_an_agent_started_beside_its_predecessors_live_workers_imports_niced_from_the_start(
+        etcd_server: LocalEtcd, etcd_client: EtcdClient, tmp_path: Path, monkeypatch) -> None:
+    """A restarted agent's preload process imports torch beside the workers it will adopt: it
+    yields to them from its first import, not only once adoption is done (a step of the whole
+    world slowed while a successor started, seen in the demo)."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(2)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    config = _config(etcd_server, tmp_path, "beside", preload=("slow_import",), spare_nice=10)
+    fresh = NodeAgent(config, client=etcd_client)
+    assert not fresh._left_live_workers()
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = process_start_time(worker.pid)
+        assert start is not None
+        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+        save_state(state_path(config.state_dir), AgentState(
+            job="beside", node_id="n0", lease_id=0, round=b"",
+            workers=(WorkerEntry(0, 0, worker.pid, start, str(tmp_path / "w.log")),)))
+        agent = NodeAgent(config, client=etcd_client)
+        assert agent._left_live_workers()
+        agent._start_preload(agent._left_live_workers())
+        assert agent.preloader is not None
+        try:
+            zygote = agent.preloader._proc.pid  # type: ignore[union-attr]
+            assert os.getpriority(os.PRIO_PROCESS, zygote) == 10  # importing, niced at once
+            assert agent.preloader.wait_ready(60), agent.preloader.error
+            assert os.getpriority(os.PRIO_PROCESS, zygote) == 0  # ready: its forks are workers
+        finally:
+            agent.preloader.close()
+        worker.kill()
+        worker.wait()
+        assert not NodeAgent(config, client=etcd_client)._left_live_workers()  # its workers are gone
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def test_a_signalled_worker_reports_the_signal_and_one_that_outlives_the_preload_process_is_still_watched(
