@@ -212,15 +212,18 @@ class Preloader:
                 break
         return self.ready
 
-    def spawn(self, env: Mapping[str, str], log_path: Path, cwd: str | None) -> ForkedProcess | None:
+    def spawn(self, env: Mapping[str, str], log_path: Path, cwd: str | None,
+              target: Target | None = None) -> ForkedProcess | None:
         """Fork a worker with this environment, log and working directory; ``None`` when the
-        preload process is not ready or is gone (the caller then spawns the command cold)."""
+        preload process is not ready or is gone (the caller then spawns the command cold).
+        ``target``: another script or module of the same interpreter than the one it was
+        started for (what it imported serves any of them)."""
         if not self.ready or self._sock is None:
             return None
         with self._lock:
             self._next_id += 1
             rid = self._next_id
-            request = {"op": "spawn", "id": rid, "target": asdict(self.target), "env": dict(env), "cwd": cwd,
+            request = {"op": "spawn", "id": rid, "target": asdict(target or self.target), "env": dict(env), "cwd": cwd,
                        "log": str(log_path)}
             try:
                 log_path.touch()  # the caller may rename it at once, as a spawned process's open log

@@ -97,6 +97,16 @@ def test_a_forked_worker_runs_its_script_as_python_would_and_its_exit_status_is_
     assert seen == {"argv": [script, "a", "b"], "path0": str(tmp_path), "cwd": str(tmp_path), "name": "__main__",
                     "session": True, "env": "yes", "preloaded": True, "ppid": p._proc.pid,  # type: ignore[union-attr]
                     "nice": 0}
+    # another script of the same interpreter, from the same preload process
+    other = tmp_path / "sub" / "other.py"
+    other.parent.mkdir()
+    other.write_text(CHILD)
+    target = parse_command([sys.executable, str(other), "c"])
+    assert target is not None
+    proc = p.spawn(dict(env, CODE="0"), tmp_path / "o.log", str(tmp_path), target=target)
+    assert proc is not None and proc.wait(30) == 0
+    seen = _report(tmp_path / "o.log")
+    assert (seen["argv"], seen["path0"], seen["preloaded"]) == ([str(other), "c"], str(other.parent), True)
 
 
 @pytest.mark.skipif(not can_restore_priority(), reason="needs root or RLIMIT_NICE >= 20")

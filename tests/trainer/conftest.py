@@ -12,7 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from trainer_testlib import Direct, Torchrun  # noqa: E402
+from trainer_testlib import Direct, Torchrun, Zygote, use_zygote  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +41,18 @@ def ds_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "LOGLEVEL": "INFO",
         "PYTHONUNBUFFERED": "1",
     }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote(ds_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    """One preload process for the session: the harnesses fork their ranks from it."""
+    made = Zygote(ds_env, tmp_path_factory.mktemp("zygote") / "preload.log")
+    use_zygote(made)
+    try:
+        yield made
+    finally:
+        use_zygote(None)
+        made.close()
 
 
 @pytest.fixture(scope="module")

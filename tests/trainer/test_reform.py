@@ -23,8 +23,9 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_testlib import REPO, tail
+from trainer_testlib import start_rank, tail
 
+from stalwart.agent.preload import ForkedProcess
 from stalwart.ckpt import read_manifest
 from stalwart.ckpt.storage import step_dir_name
 from testkit import kill_tree
@@ -50,7 +51,7 @@ class Harness:
             d.mkdir(parents=True, exist_ok=True)
         self.steps_log = self.root / "steps.jsonl"
         self.env = env
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes] | ForkedProcess] = {}
 
     def start(self, name: str, *, rank: int | None, world: int, port: int, round: int = 0, spare: bool = False,
               extra: tuple[str, ...] = ()) -> None:
@@ -61,10 +62,7 @@ class Harness:
         cmd = [sys.executable, CHILD, "--name", name, "--ckpt-dir", str(self.ckpt), "--out", str(self.out),
                "--spec-dir", str(self.specs), "--steps-log", str(self.steps_log), "--steps", str(STEPS),
                "--save-every", str(SAVE_EVERY), *extra]
-        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                            start_new_session=True)
-        log.close()
+        self.procs[name] = start_rank(cmd, env, self.root / f"{name}.log")
 
     def reform(self, name: str, *, rank: int, world: int, port: int, round: int) -> None:
         spec = {"rank": rank, "world_size": world, "master_addr": "127.0.0.1", "master_port": port, "round": round}

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_testlib import REPO, Direct, tail
+from trainer_testlib import REPO, Direct, start_rank, tail
 
 from stalwart.ckpt import list_checkpoints
 from stalwart.trainer import EXIT_DIVERGED, GlobalBatchSampler, committed_steps, read_events, skipped_samples
 from stalwart.trainer.health import read_journal
+from testkit import kill_tree
 
 SCRIPT = str(REPO / "examples" / "train_gpt.py")
 DATASET_LEN, GLOBAL_BATCH = 120, 12  # 10 steps per epoch
@@ -41,9 +42,14 @@ def _solo(env: dict[str, str], d: Path, name: str, *args: str, fp16: bool = Fals
     launcher = [str(Path(__file__).with_name("cpu_fp16.py"))] if fp16 else []
     cmd = [sys.executable, *launcher, SCRIPT, "--ckpt-dir", str(d / "ckpt"), "--steps-log", str(d / "steps.jsonl"),
            *COMMON, *args]
-    with open(d / f"{name}.log", "ab") as out:
-        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, **world}, cwd=REPO,
-                              timeout=240).returncode
+    proc = start_rank(cmd, {**env, **world}, d / f"{name}.log")
+    try:
+        code = proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        raise
+    assert code is not None, f"{name}: exit status unknown"
+    return code
 
 
 def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

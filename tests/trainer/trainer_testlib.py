@@ -15,10 +15,67 @@ from pathlib import Path
 
 import grpc
 
+from stalwart.agent.preload import ForkedProcess, Preloader, parse_command
 from stalwart.proto import agent_pb2, agent_pb2_grpc
 from testkit import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
+# What a DeepSpeed rank imports before its script runs (the chaos cluster's preload list).
+PRELOAD = ("torch", "deepspeed", "stalwart.trainer", "torch._dynamo", "torch._inductor.compile_fx", "networkx")
+
+
+class Zygote:
+    """Ranks forked from one preload process that imported torch and DeepSpeed once, as an agent
+    with ``preload`` starts its workers (``stalwart.agent.preload``): on a small machine each cold
+    rank spends seconds of CPU importing, most of a short test's time. A rank is started cold
+    when the preload process is not ready, or for an environment it was not started with (what
+    it imported may have read that)."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        target = parse_command([sys.executable, "-m", "json.tool"])  # each start names its own
+        assert target is not None
+        self.env = dict(env)
+        self._preloader = Preloader(target, PRELOAD, log, self.env, str(REPO))
+        self._preloader.start()
+
+    def start(self, argv: list[str], env: dict[str, str], log: Path,
+              cwd: Path = REPO) -> subprocess.Popen[bytes] | ForkedProcess:
+        """``argv`` (``sys.executable`` and a script) as a process in a session of its own, its
+        output appended to ``log``: forked when it can be, else started cold."""
+        target = parse_command(argv)
+        if target is not None and self._same_imports(env) and self._preloader.wait_ready(120):
+            proc = self._preloader.spawn(env, log, str(cwd), target=target)
+            if proc is not None:
+                return proc
+        with open(log, "ab") as out:
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                    start_new_session=True)
+
+    def _same_imports(self, env: dict[str, str]) -> bool:
+        keys = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "OMP_NUM_THREADS", "PYTHONPATH")
+        return all(env.get(k) == self.env.get(k) for k in keys)
+
+    def close(self) -> None:
+        self._preloader.close()
+
+
+_zygote: Zygote | None = None
+
+
+def use_zygote(zygote: Zygote | None) -> None:
+    """Set by the session fixture: every harness here starts its ranks through it."""
+    global _zygote
+    _zygote = zygote
+
+
+def start_rank(argv: list[str], env: dict[str, str], log: Path,
+               cwd: Path = REPO) -> subprocess.Popen[bytes] | ForkedProcess:
+    """Start one rank (its own session, output appended to ``log``): forked from the session's
+    preload process when there is one (:class:`Zygote`)."""
+    if _zygote is not None:
+        return _zygote.start(argv, env, log, cwd)
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
 
 
 class Torchrun:
@@ -66,13 +123,11 @@ class Direct:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         procs = []
-        with open(log, "ab") as out:
-            for rank in range(nproc):
-                world = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                         "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": str(port)}
-                procs.append(subprocess.Popen([sys.executable, script, *args], stdout=out, stderr=subprocess.STDOUT,
-                                              env={**self.env, **world}, cwd=REPO, start_new_session=True))
+        for rank in range(nproc):
+            world = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                     "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(port)}
+            procs.append(start_rank([sys.executable, script, *args], {**self.env, **world}, log))
         deadline = time.monotonic() + timeout
         try:
             while True:
