@@ -26,9 +26,21 @@ log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: each socket stays bound until all are picked, since a port
+    released at once may be handed out again by the next pick (a cluster once got one peer URL
+    twice, and etcd refused to start)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 # Runs between the new process and the real program: asks the kernel to SIGKILL it when its
@@ -100,12 +112,13 @@ class LocalEtcd:
         self.workdir = Path(workdir)
         self.tls = tls
         self.extra_args = extra_args
-        self.token = f"stalwart-{os.getpid()}-{free_port()}"
+        ports = free_ports(2 * size + 1)
+        self.token = f"stalwart-{os.getpid()}-{ports[-1]}"
         self.members = [
             Member(
                 name=f"m{i}",
-                client_port=free_port(),
-                peer_port=free_port(),
+                client_port=ports[2 * i],
+                peer_port=ports[2 * i + 1],
                 data_dir=self.workdir / f"m{i}.etcd",
                 log_file=self.workdir / f"m{i}.log",
                 host=host,

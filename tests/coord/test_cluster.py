@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 
 from stalwart.coord.client import EtcdClient
-from stalwart.coord.local import LocalEtcd
+from stalwart.coord.local import LocalEtcd, free_ports
 
 WRITES = 300
 
@@ -30,3 +30,11 @@ def test_member_killed_during_writes_is_invisible_to_the_caller(make_etcd: Calla
         assert [kv.value for kv in kvs] == [str(i).encode() for i in range(WRITES)]
     finally:
         client.close()
+
+
+def test_a_local_cluster_gets_distinct_ports() -> None:
+    """Ports picked one after another may repeat (a released port can be handed out again): a
+    cluster's peer URLs once named one port twice and etcd refused to start."""
+    for _ in range(20):
+        ports = free_ports(64)
+        assert len(set(ports)) == 64
