@@ -85,7 +85,7 @@ class Runner:
         ref_losses: dict[int, float] = {}
         if self.reference:
             self.progress("reference run without faults ...")
-            ref = _Run(replace(self.scenario, faults=(), random=None), self.workdir / "reference", self.rng,
+            ref = _Run(_reference_of(self.scenario), self.workdir / "reference", self.rng,
                        lambda line: None, self.timeout).execute()
             ref_losses = ref.losses
             self.progress(f"reference: {len(ref_losses)} steps in {ref.report.wall_s:.1f} s")
@@ -649,6 +649,17 @@ def _label_rounds(samples: list[Sample], rounds: list[RoundChange]) -> None:
             if r.t <= s.t:
                 number = r.number
         samples[i] = Sample(s.t, s.step, s.world, number, s.loss)
+
+
+def _reference_of(scenario: Scenario) -> Scenario:
+    """The fault-free twin of ``scenario``, only as long as the comparison needs: losses are
+    compared up to the first rollback (skipped data changes every later one), and a NaN or a
+    spike planned for a step rolls back there (a few steps of margin). The job's learning rate
+    and data order do not depend on its length."""
+    planned = [f.at_step for f in scenario.faults if f.kind in TRAINING_FAULTS and f.at_step is not None]
+    random_training = scenario.random is not None and bool(set(scenario.random.kinds) & set(TRAINING_FAULTS))
+    steps = scenario.job.steps if not planned or random_training else min(scenario.job.steps, min(planned) + 5)
+    return replace(scenario, faults=(), random=None, job=replace(scenario.job, steps=steps))
 
 
 def _losses_match(losses: dict[int, float], reference: dict[int, float], report: RunReport) -> bool:

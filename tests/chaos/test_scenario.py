@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from stalwart.chaos.runner import _reference_of
 from stalwart.chaos.scenario import FAULT_KINDS, ScenarioError, from_mapping, load
 
 GOOD = """
@@ -104,3 +106,15 @@ def test_a_worker_fault_aimed_at_a_cut_or_absent_node_goes_to_a_member_that_can_
 def test_a_job_memory_every_below_zero_is_refused_by_name() -> None:
     with pytest.raises(ScenarioError, match="job.memory_every"):
         from_mapping({"job": {"memory_every": -1}})
+
+
+def test_the_fault_free_twin_runs_only_as_far_as_its_losses_are_compared() -> None:
+    health = load(Path(__file__).resolve().parents[2] / "chaos" / "scenarios" / "training-health.toml")
+    twin = _reference_of(health)
+    assert (twin.faults, twin.random, twin.job.steps) == ((), None, 45 + 5)  # its first NaN is at step 45
+    assert replace(twin.job, steps=health.job.steps) == health.job
+    plain = from_mapping({"name": "p", "job": {"steps": 50}, "fault": [{"kind": "kill-worker", "at_step": 10}]})
+    assert _reference_of(plain).job.steps == 50
+    maybe_nan = from_mapping({"name": "r", "job": {"steps": 50}, "fault": [{"kind": "nan-loss", "at_step": 10}],
+                              "random": {"rate_per_minute": 1, "kinds": ["nan-loss"], "duration_s": 60}})
+    assert _reference_of(maybe_nan).job.steps == 50  # a random NaN may come anywhere
