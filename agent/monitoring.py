@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # A host's kernel answers a TCP connect within milliseconds however busy its processes are: one
 # silent this long is down, or behind a cut link (the daemon's own check uses the same).
 HOST_PROBE_TIMEOUT = 0.3
+# Seconds between the monitor's looks at the workers (a few /proc reads), and between its polls
+# of the health probe (NVML calls, slower).
+MONITOR_TICK = 0.1
+PROBE_TICK = 0.25
 
 
 class MonitoringMixin:
@@ -79,8 +83,13 @@ class MonitoringMixin:
                 log.exception("agent %s: peer probe failed", self.config.node_id)
 
     def _monitor(self) -> None:
-        while not self._stop.wait(min(0.25, self.config.probe_interval)):
-            self._poll_probe()
+        """Every ``MONITOR_TICK``: a stopped worker is seen within a tick of its frozen limit (the
+        whole world waits on it meanwhile); the health probe is polled less often."""
+        polled = 0.0
+        while not self._stop.wait(min(MONITOR_TICK, self.config.probe_interval)):
+            if time.monotonic() - polled >= min(PROBE_TICK, self.config.probe_interval):
+                self._poll_probe()
+                polled = time.monotonic()
             now = self._beats["monitor"] = time.monotonic()
             self._check_reforms(now)
             with self._lock:

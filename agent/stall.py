@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # A stopped process makes no progress at all, and every peer waits for it meanwhile: the margin
-# only lets a stop that is continued at once (job control) pass.
-FROZEN_STEPS = 2.0
+# (one step, ``frozen_after`` at least) only lets a stop that is continued at once (job control) pass.
+FROZEN_STEPS = 1.0
 
 
 @dataclass(frozen=True)

@@ -115,19 +115,19 @@ def test_a_frozen_worker_is_stalled_after_frozen_after_even_before_its_first_ste
     assert d.check(now=20) == []
 
 
-def test_a_frozen_worker_is_stalled_long_before_the_floor_but_not_within_two_of_its_steps() -> None:
+def test_a_frozen_worker_is_stalled_long_before_the_floor_but_not_within_one_of_its_steps() -> None:
     d = StallDetector(StallPolicy(floor=10, factor=4, first_step=300, frozen_after=1))
     d.started(0, now=0)
     d.started(1, now=0)
     for step in range(1, 6):
         d.step(0, step, 0.1, now=step * 0.1)  # fast steps: the 1 s floor of frozen_after applies
-        d.step(1, step, 0.7, now=step * 0.7)  # slow steps: two of them (1.4 s) apply
-    d.frozen(0, True, now=4)
-    d.frozen(1, True, now=4)
-    assert d.check(now=4.9) == []
-    assert [s.rank for s in d.check(now=5.1)] == [0]
-    assert d.check(now=5.3) == []
-    assert [s.rank for s in d.check(now=5.5)] == [1]
+        d.step(1, step, 1.4, now=step * 1.4)  # slow steps: one of them (1.4 s) applies
+    d.frozen(0, True, now=8)
+    d.frozen(1, True, now=8)
+    assert d.check(now=8.9) == []
+    assert [s.rank for s in d.check(now=9.1)] == [0]
+    assert d.check(now=9.3) == []
+    assert [s.rank for s in d.check(now=9.5)] == [1]
     assert d.frozen_limit(0) == 1 and d.frozen_limit(1) == 1.4
 
 
