@@ -39,7 +39,7 @@ from stalwart.proto import agent_pb2, agent_pb2_grpc, records_pb2
 log = logging.getLogger(__name__)
 # A host's kernel answers a TCP connect within milliseconds however busy its processes are: one
 # silent this long is down, or behind a cut link (the daemon's own check uses the same).
-HOST_PROBE_TIMEOUT = 0.3
+HOST_PROBE_TIMEOUT = 0.2
 # Seconds between the monitor's looks at the workers (a few /proc reads), and between its polls
 # of the health probe (NVML calls, slower).
 MONITOR_TICK = 0.1

@@ -34,7 +34,7 @@ class StallPolicy:
     window: int = 50  # recent step times the median is taken over
     frozen_after: float = 0.3  # seconds a stopped process may stay stopped before it is stalled
     quiet_floor: float = 0.3  # seconds: a worker is quiet (worth a peer check) no sooner than this
-    quiet_steps: float = 2.0  # ... nor sooner than this many median recent step times
+    quiet_steps: float = 1.5  # ... nor sooner than this many median recent step times
 
     def __post_init__(self) -> None:
         if (self.floor <= 0 or self.factor < 1 or self.first_step <= 0 or self.window < 1 or self.frozen_after <= 0
