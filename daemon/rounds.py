@@ -484,9 +484,11 @@ class RoundMachine:
             target = NodeState.LOST
         elif rec.health is Health.FATAL:
             target = NodeState.UNHEALTHY
-        elif self._in_round(rec.node_id):
-            target = NodeState.MEMBER
+        elif self._in_round(rec.node_id) and rec.state is NodeState.CORDONED:
+            target = NodeState.MEMBER  # a cordon keeps the node in its round
         else:
+            # drained or quarantined: out of the world, even while the round that leaves it
+            # out is still being decided (a quarantine and an uncordon in one batch)
             target = NodeState.WAITING
         self._move(rec, target, "uncordoned by operator")
 

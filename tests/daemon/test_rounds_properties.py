@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import event as note_event
 from hypothesis import strategies as st
 
@@ -173,6 +173,12 @@ def check_state(machine: RoundMachine) -> None:
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=policies(), script=steps, batch=st.integers(1, 4))
+# A quarantine and an uncordon in one batch: the node is still in the round being left.
+@example(policy=RoundPolicy(min_nodes=1, max_nodes=1, quarantine_faults=1),
+         script=[(0.0, NodeRegistered("n0", "n0.ip", 8)), (0.0, NodeRegistered("n1", "n1.ip", 8)),
+                 (0.0, NodeRegistered("n2", "n2.ip", 8)), (0.0, Tick()),
+                 (0.0, HealthVerdict("n0", Health.TRANSIENT)), (0.0, Uncordon("n0"))],
+         batch=2)
 def test_random_event_sequences_keep_round_invariants(
     policy: RoundPolicy, script: list[tuple[float, Event]], batch: int
 ) -> None:
