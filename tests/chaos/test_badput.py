@@ -12,6 +12,11 @@ def _steps(start_t: float, first: int, n: int, round_: int = 1, dt: float = 0.1)
     return [Sample(start_t + i * dt, first + i, 3, round_) for i in range(n)]
 
 
+def _paused_2s_after_step_30() -> list[Sample]:
+    """Steps 1..30 every 0.1 s from 1.0 (the last at 3.9), then 31..60 of round 2 after a 2 s pause."""
+    return _steps(1.0, 1, 30) + _steps(1.0 + 29 * 0.1 + 2.0, 31, 30, round_=2)
+
+
 def _total(acc: object) -> float:
     return acc.training_s + sum(acc.badput.values())  # type: ignore[attr-defined]
 
@@ -27,7 +32,7 @@ def test_a_run_without_faults_loses_only_startup_and_finish() -> None:
 
 
 def test_a_pause_is_charged_to_the_fault_before_it_not_to_one_injected_during_it() -> None:
-    samples = _steps(1.0, 1, 30) + _steps(1.0 + 29 * 0.1 + 2.0, 31, 30, round_=2)
+    samples = _paused_2s_after_step_30()
     first = FaultRecord("kill-worker", "n1", injected_at=3.85, detected_at=4.0)
     during = FaultRecord("kill-daemon", "d0", injected_at=4.5, detected_at=6.5)
     acc = account(samples, [first, during], [RoundChange(4.2, 2, 3, "node n1 worker failed")], wall_s=samples[-1].t,
@@ -114,7 +119,7 @@ def test_steps_redone_after_a_restore_without_a_pause_are_the_restores_fault_not
 def test_a_pause_that_a_data_plane_fault_starts_just_after_a_daemon_kill_is_the_data_plane_faults() -> None:
     # steps every 0.1 s until 3.9; a daemon killed at 3.85, a worker hung at 4.05 (the step after
     # 3.9 was due at 4.0): the hang stopped the step, the daemon's absence only lengthened it
-    samples = _steps(1.0, 1, 30) + _steps(1.0 + 29 * 0.1 + 2.0, 31, 30, round_=2)
+    samples = _paused_2s_after_step_30()
     daemon = FaultRecord("kill-daemon", "d0", injected_at=3.85, detected_at=5.5)
     hang = FaultRecord("hang-worker", "n1", injected_at=4.05, detected_at=5.6)
     acc = account(samples, [daemon, hang], [RoundChange(5.7, 2, 3, "node n1 worker failed")], wall_s=samples[-1].t,

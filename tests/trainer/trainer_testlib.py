@@ -16,12 +16,13 @@ from pathlib import Path
 import grpc
 
 from stalwart.agent.preload import ForkedProcess, Preloader, parse_command
+from stalwart.chaos.scenario import ClusterSpec
 from stalwart.proto import agent_pb2, agent_pb2_grpc
 from testkit import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
-# What a DeepSpeed rank imports before its script runs (the chaos cluster's preload list).
-PRELOAD = ("torch", "deepspeed", "stalwart.trainer", "torch._dynamo", "torch._inductor.compile_fx", "networkx")
+# What a DeepSpeed rank imports before its script runs: the chaos cluster's preload list.
+PRELOAD = ClusterSpec().preload
 
 
 class Zygote:
@@ -47,9 +48,7 @@ class Zygote:
             proc = self._preloader.spawn(env, log, str(cwd), target=target)
             if proc is not None:
                 return proc
-        with open(log, "ab") as out:
-            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                    start_new_session=True)
+        return _start_cold(argv, env, log, cwd)
 
     def _same_imports(self, env: dict[str, str]) -> bool:
         keys = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "OMP_NUM_THREADS", "PYTHONPATH")
@@ -74,6 +73,10 @@ def start_rank(argv: list[str], env: dict[str, str], log: Path,
     preload process when there is one (:class:`Zygote`)."""
     if _zygote is not None:
         return _zygote.start(argv, env, log, cwd)
+    return _start_cold(argv, env, log, cwd)
+
+
+def _start_cold(argv: list[str], env: dict[str, str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
 
